@@ -1,0 +1,38 @@
+"""kvcli: prefill a long document once into a compressed key/value cache, then ask many questions.
+
+Python API (heavy modules load on first use, so `import kvcli` stays cheap):
+
+    import kvcli
+    lm = kvcli.load()                                  # default model, or load("path/or/hub-id")
+    kvcli.prefill(lm, kvcli.read_document("doc.txt"), "doc.kv")
+    session = kvcli.Session(lm, "doc.kv")
+    print(session.ask("Who is the licensor?").answer)
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load": ("kvcli.models", "load"),
+    "from_objects": ("kvcli.models", "from_objects"),
+    "LoadedModel": ("kvcli.models", "LoadedModel"),
+    "read_document": ("kvcli.documents", "read"),
+    "Document": ("kvcli.documents", "Document"),
+    "prefill": ("kvcli.prefill", "prefill"),
+    "Session": ("kvcli.answer", "Session"),
+    "Answer": ("kvcli.answer", "Answer"),
+    "GenerationOptions": ("kvcli.answer", "GenerationOptions"),
+    "ask": ("kvcli.answer", "ask"),
+    "verify": ("kvcli.store", "verify"),
+    "read_manifest": ("kvcli.store", "read_manifest"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'kvcli' has no attribute {name!r}")

@@ -1,0 +1,221 @@
+"""Questions -> answers from a loaded cache: append only the question's ids, generate, stream.
+
+Each question starts from the document's own cache state (the saved layer tensors are put back
+into a fresh cache object; generation never writes into them), never from the previous question's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import framing as fr, restore, store
+from .errors import GenerationError
+from .models import LoadedModel
+
+DEFAULT_MAX_NEW_TOKENS = 256
+TokenFn = Callable[[str], None]  # receives answer text as it becomes final
+
+
+@dataclass
+class Answer:
+    question: str
+    answer: str
+    prompt_token_ids: list[int]  # every id the model saw before answering: cached + appended
+    answer_token_ids: list[int]
+    cached_tokens: int
+    new_tokens: int  # appended ids computed for this question
+    processed_tokens: int  # ids the model actually ran forward for this question (appended + answer - 1)
+    ttft_s: float | None
+    total_s: float
+    finish_reason: str  # "stop" (end of turn or stop string) or "length"
+    cache: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GenerationOptions:
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+
+
+class _Stream:
+    """A transformers streamer that decodes the answer so far and hands out only settled text.
+
+    Text is held back while it could still become a stop string or ends in a partial character.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str], on_text: TokenFn | None, clock_start: float):
+        self.tokenizer, self.stop, self.on_text = tokenizer, list(stop), on_text
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stopped = False
+        self.first_token_at: float | None = None
+        self.started = clock_start
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # generate() first hands over the prompt
+            self.prompt_seen = True
+            return
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.ids.extend(int(v) for v in value.reshape(-1).tolist())
+        self._emit(final=False)
+
+    def end(self) -> None:
+        self._emit(final=True)
+
+    def text(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0:
+                self.stopped = True
+                text = text[:at]
+        return text
+
+    def _emit(self, final: bool) -> None:
+        text = self.text()
+        settled = len(text)
+        if not final and not self.stopped:
+            if text.endswith("\ufffd"):
+                settled -= 1
+            for s in self.stop:  # hold back a tail that may grow into a stop string
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        settled = min(settled, len(text) - k)
+                        break
+        if settled > self.sent and self.on_text:
+            self.on_text(text[self.sent : settled])
+        self.sent = max(self.sent, settled)
+
+
+class Session:
+    """One cache opened against one loaded model, ready for any number of questions."""
+
+    def __init__(self, lm: LoadedModel, path: str | os.PathLike, *, convert_dtype: bool = False):
+        t0 = time.perf_counter()
+        self.lm = lm
+        self.path = Path(path)
+        with store.open_cache(self.path) as opened:
+            self.manifest = opened.manifest
+            restore.check_fits(self.manifest, lm, str(self.path), convert_dtype=convert_dtype)
+            self.states = restore.load_states(opened, device=lm.device, dtype=lm.dtype)
+        self.framing = fr.Framing(kind=self.manifest.framing["kind"], system=self.manifest.framing.get("system"))
+        self.load_s = time.perf_counter() - t0
+        self._unreported_load = self.load_s
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.manifest.token_ids
+
+    def prompt_ids(self, question: str) -> list[int]:
+        return self.token_ids + fr.question_ids(self.lm.tokenizer, self.framing, question)
+
+    def ask(self, question: str, options: GenerationOptions | None = None, on_text: TokenFn | None = None) -> Answer:
+        """Answer one question; on_text receives the answer's text as it is generated."""
+        import torch
+
+        opts = options or GenerationOptions()
+        start = time.perf_counter() - self._unreported_load  # the first question pays for the load
+        self._unreported_load = 0.0
+        cached = len(self.token_ids)
+        prompt = self.prompt_ids(question)
+        limit = self.lm.max_positions
+        max_new = opts.max_new_tokens
+        if limit:
+            if len(prompt) >= limit:
+                raise GenerationError(f"question too long: the prompt needs {len(prompt)} of the model's {limit} positions")
+            max_new = min(max_new, limit - len(prompt))
+        model, tok = self.lm.model, self.lm.tokenizer
+        stream = _Stream(tok, opts.stop, on_text, start)
+        counted = [0]
+
+        def count(_module, args, kwargs):
+            ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
+            if ids is not None:
+                counted[0] += ids.shape[-1]
+
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "do_sample": opts.temperature > 0}
+        if opts.temperature > 0:
+            kwargs.update(temperature=opts.temperature, top_p=opts.top_p, top_k=0)
+            if opts.seed is not None:
+                torch.manual_seed(opts.seed)
+        if opts.stop:
+            kwargs.update(stop_strings=list(opts.stop), tokenizer=tok)
+        if model.generation_config.pad_token_id is None and tok.pad_token_id is None:
+            kwargs["pad_token_id"] = tok.eos_token_id
+        input_ids = torch.tensor([prompt], device=self.lm.device)  # [1, cached + appended]
+        hook = model.register_forward_pre_hook(count, with_kwargs=True)
+        try:
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    cache=restore.new_cache(self.lm, self.states),
+                    streamer=stream,
+                    **kwargs,
+                )
+        finally:
+            hook.remove()
+        answer_ids = [int(t) for t in out[0, len(prompt) :].tolist()]
+        text = stream.text()
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        done_by_stop = stream.stopped or (answer_ids and answer_ids[-1] in eos)
+        return Answer(
+            question=question,
+            answer=text,
+            prompt_token_ids=prompt,
+            answer_token_ids=answer_ids,
+            cached_tokens=cached,
+            new_tokens=len(prompt) - cached,
+            processed_tokens=counted[0],
+            ttft_s=(stream.first_token_at - start) if stream.first_token_at else None,
+            total_s=time.perf_counter() - start,
+            finish_reason="stop" if done_by_stop or len(answer_ids) < max_new else "length",
+            cache=str(self.path),
+        )
+
+
+class ModelPool:
+    """Loads each model once for many caches: the --model one, else the model each cache records."""
+
+    def __init__(self, model: str | None = None, *, revision: str | None = None, device: str = "auto",
+                 dtype: str | None = None, trust_remote_code: bool = False, progress: Callable[[str], None] | None = None):
+        self.spec, self.revision, self.device, self.dtype = model, revision, device, dtype
+        self.trust_remote_code, self.progress = trust_remote_code, progress
+        self._loaded: dict[str, LoadedModel] = {}
+
+    def for_cache(self, path: str | os.PathLike) -> LoadedModel:
+        import json
+
+        from . import models
+
+        manifest = store.read_manifest(path)
+        dtype = self.dtype or manifest.dtype
+        if self.spec:
+            source = models.resolve(self.spec, revision=self.revision)
+        else:
+            source = models.reload_source(manifest.model.get("source", {}))
+        key = json.dumps([source, dtype], sort_keys=True)
+        if key not in self._loaded:
+            self._loaded[key] = models.load(source=source, device=self.device, dtype=dtype,
+                                            trust_remote_code=self.trust_remote_code, progress=self.progress)
+        return self._loaded[key]
+
+
+def ask(lm: LoadedModel, cache: str | os.PathLike, questions: Sequence[str], options: GenerationOptions | None = None) -> list[Answer]:
+    """Convenience: open a cache and answer several questions from it."""
+    session = Session(lm, cache)
+    return [session.ask(q, options) for q in questions]

@@ -1,0 +1,70 @@
+"""Summaries of caches for `info` and `ls`: manifests only, no torch."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from . import store
+from .errors import CacheError
+from .manifest import Manifest
+
+
+def summary(path: Path, m: Manifest) -> dict[str, Any]:
+    """The stable JSON shape of `kvcli info --json` (and each row of `kvcli ls --json`)."""
+    source = m.model.get("source", {})
+    return {
+        "path": str(path),
+        "format_version": m.format_version,
+        "model": source.get("name") or m.model.get("name"),
+        "model_source": source,
+        "model_type": m.model.get("model_type"),
+        "num_tokens": m.num_tokens,
+        "num_layers": len(m.layers),
+        "dtype": m.dtype,
+        "bytes_raw": m.bytes_raw,
+        "bytes_on_disk": m.bytes_stored,
+        "ratio": round(m.bytes_stored / m.bytes_raw, 4) if m.bytes_raw else None,
+        "compression": m.compression,
+        "framing": {k: m.framing.get(k) for k in ("kind", "system")},
+        "document": m.document,
+        "created": m.created,
+        "kvcli_version": m.kvcli_version,
+        "transformers_version": m.transformers_version,
+    }
+
+
+def layer_rows(m: Manifest) -> list[dict[str, Any]]:
+    return [
+        {
+            "index": layer.index,
+            "kind": layer.kind,
+            "sliding_window": layer.sliding_window,
+            "cached_length": layer.cached_length,
+            "seq_length": layer.seq_length,
+            "file": layer.file,
+            "raw_bytes": layer.raw_bytes,
+            "stored_bytes": layer.stored_bytes,
+            "ratio": round(layer.stored_bytes / layer.raw_bytes, 4) if layer.raw_bytes else None,
+        }
+        for layer in m.layers
+    ]
+
+
+def find(folder: Path) -> list[dict[str, Any]]:
+    """Every cache directly inside `folder` (or `folder` itself), with its age; broken ones flagged."""
+    folder = Path(folder)
+    candidates = [folder] if store.is_cache(folder) else sorted(p for p in folder.iterdir() if store.is_cache(p))
+    rows = []
+    for path in candidates:
+        try:
+            m = store.read_manifest(path)
+        except CacheError as exc:
+            rows.append({"path": str(path), "error": str(exc)})
+            continue
+        row = summary(path, m)
+        row["age_s"] = max(0.0, time.time() - os.stat(path / "manifest.json").st_mtime)
+        rows.append(row)
+    return rows

@@ -1,0 +1,306 @@
+"""The kvcli command line: parse, call the library, render. Heavy modules load inside commands.
+
+Exit codes: 0 success; 1 other failure; 2 usage error; 3 cache missing, corrupt, of an unknown
+format version, or not matching the model (rebuild it); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import __version__
+from .errors import CacheError, KvcliError, UsageError
+from .output import Output, debug_enabled, human_bytes
+
+EXIT_CODES = "Exit codes: 0 ok, 1 failure, 2 usage error, 3 cache missing/corrupt/stale (rebuild it)."
+app = typer.Typer(
+    help=f"Prefill a long document once into a compressed KV cache, then ask it many questions. {EXIT_CODES}",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+# Options spelled once, shared by every command.
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Hub id, model folder or .gguf file (default: $KVCLI_MODEL, else the embedded SmolLM2-135M-Instruct; for ask: the cache's model).")]
+RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Run the model repository's own Python code (only for models you trust).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
+
+
+def command(fn):
+    """Register a command and map kvcli errors to one stderr line and an exit code, in one place."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        out = Output(quiet=kwargs.get("quiet", False))
+        try:
+            code = fn(*args, **kwargs)
+        except KvcliError as exc:
+            if debug_enabled():
+                traceback.print_exc()
+            out.error(exc, exc.hint)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            out.error("interrupted")
+            raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:  # a bug or an unforeseen failure: one line, traceback on request
+            if debug_enabled():
+                traceback.print_exc()
+            out.error(f"unexpected {exc.__class__.__name__}: {exc}", "set KVCLI_DEBUG=1 for a traceback")
+            raise typer.Exit(1) from None
+        if code:
+            raise typer.Exit(code)
+
+    return app.command()(wrapper)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False) -> None:
+    pass
+
+
+@command
+def prefill(
+    docs: Annotated[list[str], typer.Argument(help="Document files ('-' reads stdin and needs -o).", show_default=False)],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Cache path (one document) or folder (several). Default: DOC with suffix .kv")] = None,
+    model: ModelOpt = None,
+    revision: RevisionOpt = None,
+    system: Annotated[Optional[str], typer.Option(help="System text placed before the document.")] = None,
+    framing: Annotated[str, typer.Option(help="auto (chat template if the model has one), chat or plain.")] = "auto",
+    chunk_size: Annotated[int, typer.Option(help="Tokens per forward pass.")] = 512,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16 (auto: float32 on CPU).")] = "auto",
+    device: DeviceOpt = "auto",
+    encoding: Annotated[str, typer.Option(help="Text encoding of the documents.")] = "utf-8",
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing cache.")] = False,
+    trust_remote_code: TrustOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Run documents through the model once and write their key/value caches."""
+    from . import documents, models, prefill as pf
+
+    out = Output(quiet=quiet)
+    targets = _prefill_targets(docs, output)
+    with out.status("loading model"):
+        lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
+    failed: list[KvcliError] = []
+    for n, (doc, target) in enumerate(targets, 1):
+        label = f"[{n}/{len(targets)}] {doc}" if len(targets) > 1 else f"prefill {doc}"
+        try:
+            document = documents.read(doc, encoding)
+            with out.progress(label) as update:
+                r = pf.prefill(lm, document, target, system=system, framing=framing, chunk_size=chunk_size, force=force, progress=update)
+        except (KvcliError, CacheError) as exc:
+            if len(targets) == 1:
+                raise
+            out.error(exc, exc.hint)
+            failed.append(exc)
+            continue
+        m = r.manifest
+        if json_out:
+            out.json_line({"document": str(doc), "cache": str(target), "num_tokens": m.num_tokens, "compute_s": round(r.compute_s, 4),
+                           "write_s": round(r.write_s, 4), "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored})
+        out.note(
+            f"{target}: {m.num_tokens:,} tokens in {r.compute_s + r.write_s:.1f} s "
+            f"({m.num_tokens / max(r.compute_s, 1e-9):,.0f} tok/s), {human_bytes(m.bytes_stored)} on disk "
+            f"({m.bytes_stored / m.bytes_raw:.0%} of {human_bytes(m.bytes_raw)} raw)"
+        )
+    if failed:
+        out.error(f"{len(failed)} of {len(targets)} documents failed")
+        return 1
+    return 0
+
+
+def _prefill_targets(docs: list[str], output: Optional[Path]) -> list[tuple[str, Path]]:
+    from .store import is_cache
+
+    if "-" in docs and (output is None or len(docs) > 1):
+        raise UsageError("reading the document from stdin ('-') needs -o CACHE and no other document")
+    if len(docs) > 1 or (output is not None and output.is_dir() and not is_cache(output)):
+        folder = output
+        if folder is not None and not folder.is_dir():
+            raise UsageError(f"{folder}: with several documents, -o must be an existing folder")
+        return [(d, (folder or Path(d).parent) / (Path(d).stem + ".kv")) for d in docs]
+    doc = docs[0]
+    return [(doc, output or Path(doc).with_suffix(".kv"))]
+
+
+@command
+def ask(
+    questions: Annotated[Optional[list[str]], typer.Argument(help="Questions (or -f FILE, or stdin).", show_default=False)] = None,
+    cache: Annotated[list[Path], typer.Option("--cache", "-c", help="Cache to answer from (repeatable).")] = [],  # noqa: B006
+    questions_file: Annotated[Optional[str], typer.Option("--questions-file", "-f", help="One question per line ('-' for stdin); blank and # lines skipped.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Most answer tokens.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 for greedy (default).")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold (with --temperature).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
+    stop: Annotated[list[str], typer.Option(help="End the answer at this string (repeatable).")] = [],  # noqa: B006
+    model: ModelOpt = None,
+    revision: RevisionOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: Annotated[Optional[str], typer.Option(help="Compute dtype (default: the cache's).")] = None,
+    convert_dtype: Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")] = False,
+    null: Annotated[bool, typer.Option("--null", "-0", help="End each plain answer with a NUL byte instead of a newline.")] = False,
+    trust_remote_code: TrustOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Answer questions from cached documents, computing only the questions' tokens."""
+    from . import answer as an
+
+    out = Output(quiet=quiet)
+    if not cache:
+        raise UsageError("--cache is required")
+    qs = _gather_questions(questions or [], questions_file)
+    opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop))
+    loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
+    first_error: Optional[KvcliError] = None
+    for path in cache:
+        try:
+            with out.status(f"loading {path}"):
+                session = an.Session(loader.for_cache(path), path, convert_dtype=convert_dtype)
+        except KvcliError as exc:
+            if len(cache) == 1:
+                raise
+            out.error(exc, exc.hint)
+            first_error = first_error or exc
+            continue
+        for q in qs:
+            stream = None if json_out else out.write
+            a = session.ask(q, opts, on_text=stream)
+            if json_out:
+                out.json_line(a.to_json())
+            else:
+                out.write("\0" if null else "\n")
+    return first_error.exit_code if first_error else 0
+
+
+def _gather_questions(args: list[str], questions_file: Optional[str]) -> list[str]:
+    qs = list(args)
+    if questions_file is not None:
+        try:
+            text = sys.stdin.read() if questions_file == "-" else Path(questions_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{questions_file}: cannot read questions ({exc})") from None
+        qs += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    elif not qs and not sys.stdin.isatty():
+        text = sys.stdin.read().strip()
+        if text:
+            qs.append(text)
+    if not qs:
+        raise UsageError("no question given (arguments, -f FILE, or text on stdin)")
+    return qs
+
+
+@command
+def info(
+    cache: Annotated[Path, typer.Argument(help="Cache directory.")],
+    json_out: JsonOpt = False,
+) -> int:
+    """Show a cache's manifest: model, document, tokens, layers and sizes."""
+    from rich.table import Table
+
+    from . import catalog, store
+
+    out = Output()
+    m = store.read_manifest(cache)
+    s = catalog.summary(cache, m)
+    if json_out:
+        out.json_doc({**s, "layers": catalog.layer_rows(m)})
+        return 0
+    head = Table.grid(padding=(0, 2))
+    for key in ("path", "model", "model_type", "num_tokens", "dtype", "num_layers", "created"):
+        head.add_row(key, str(s[key]))
+    head.add_row("document", f"{m.document.get('name')} ({m.document.get('chars'):,} chars)")
+    head.add_row("framing", f"{m.framing.get('kind')}" + (f", system: {m.framing['system']!r}" if m.framing.get("system") else ""))
+    head.add_row("size", f"{human_bytes(s['bytes_on_disk'])} on disk, {human_bytes(s['bytes_raw'])} raw ({s['ratio']:.1%})")
+    out.table(head)
+    table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")
+    for row in catalog.layer_rows(m):
+        table.add_row(str(row["index"]), row["kind"], str(row["sliding_window"] or "-"), f"{row['cached_length']:,}",
+                      human_bytes(row["raw_bytes"]), human_bytes(row["stored_bytes"]), f"{row['ratio']:.1%}")
+    out.table(table)
+    return 0
+
+
+@command
+def verify(
+    caches: Annotated[list[Path], typer.Argument(help="Cache directories.")],
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Check every shard of each cache against its manifest (no model needed). Exit 3 if any is bad."""
+    from . import store
+
+    out = Output(quiet=quiet)
+    worst = 0
+    for path in caches:
+        try:
+            m = store.verify(path)
+        except CacheError as exc:
+            worst = max(worst, exc.exit_code)
+            out.json_line({"cache": str(path), "ok": False, "error": str(exc)}) if json_out else out.error(exc)
+            continue
+        if json_out:
+            out.json_line({"cache": str(path), "ok": True, "num_tokens": m.num_tokens, "num_layers": len(m.layers)})
+        else:
+            out.note(f"{path}: ok ({len(m.layers)} layers, {m.num_tokens:,} tokens)")
+    return worst
+
+
+@command
+def ls(
+    folder: Annotated[Path, typer.Argument(help="Folder to list.")] = Path("."),
+    json_out: JsonOpt = False,
+) -> int:
+    """List the caches in a folder: tokens, model, size, ratio and age."""
+    from rich.table import Table
+
+    from . import catalog
+
+    out = Output()
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: not a folder")
+    rows = catalog.find(folder)
+    if json_out:
+        out.json_doc(rows)
+        return 0
+    table = Table("cache", "tokens", "model", "on disk", "ratio", "age")
+    for r in rows:
+        if "error" in r:
+            table.add_row(r["path"], "-", f"[red]{r['error']}[/red]", "-", "-", "-")
+            continue
+        table.add_row(r["path"], f"{r['num_tokens']:,}", str(r["model"]), human_bytes(r["bytes_on_disk"]), f"{r['ratio']:.1%}", _age(r["age_s"]))
+    out.table(table)
+    return 0
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def main() -> None:
+    app(prog_name="kvcli")
+
+
+if __name__ == "__main__":
+    main()

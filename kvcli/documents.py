@@ -1,0 +1,63 @@
+"""Reading documents: strict decoding with the byte offset of the first error, binary refused."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import DocumentError
+
+MAX_DOCUMENT_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str  # file name, or "-" for stdin
+    text: str
+    sha256: str  # of the bytes as read
+
+    def record(self) -> dict:
+        return {"name": self.name, "sha256": self.sha256, "chars": len(self.text)}
+
+
+def decode(data: bytes, name: str, encoding: str = "utf-8") -> Document:
+    """Decode document bytes; refuse binary, empty and undecodable input with a precise message."""
+    nul = data.find(b"\x00", 0, 65536)
+    if nul >= 0 and not encoding.lower().replace("_", "-").startswith(("utf-16", "utf16", "utf-32", "utf32")):
+        raise DocumentError(f"{name}: looks like a binary file (NUL byte at offset {nul}), not text")
+    try:
+        text = data.decode(encoding)
+    except LookupError:
+        raise DocumentError(f"--encoding {encoding}: unknown encoding") from None
+    except UnicodeDecodeError as exc:
+        raise DocumentError(
+            f"{name}: not valid {encoding} at byte offset {exc.start} ({exc.reason}); pass --encoding if it is another encoding"
+        ) from None
+    text = text.removeprefix("\ufeff")
+    if not text.strip():
+        raise DocumentError(f"{name}: the document is empty")
+    return Document(name=name, text=text, sha256=hashlib.sha256(data).hexdigest())
+
+
+def read(path: str | Path, encoding: str = "utf-8") -> Document:
+    """Read a document from a file, or from stdin when path is '-'."""
+    if str(path) == "-":
+        data = sys.stdin.buffer.read(MAX_DOCUMENT_BYTES + 1)
+        name = "-"
+    else:
+        p = Path(path)
+        try:
+            if p.is_dir():
+                raise DocumentError(f"{p}: is a folder, not a document")
+            with open(p, "rb") as f:
+                data = f.read(MAX_DOCUMENT_BYTES + 1)
+        except FileNotFoundError:
+            raise DocumentError(f"{p}: no such file") from None
+        except PermissionError:
+            raise DocumentError(f"{p}: permission denied") from None
+        name = p.name
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise DocumentError(f"{path}: larger than {MAX_DOCUMENT_BYTES // (1024 * 1024)} MiB")
+    return decode(data, str(path), encoding)

@@ -1,0 +1,61 @@
+"""One hierarchy of errors, each carrying the exit code the CLI turns it into."""
+
+from __future__ import annotations
+
+
+class KvcliError(Exception):
+    """Base of every error kvcli reports to a user: a one-line message and an exit code."""
+
+    exit_code = 1
+    hint: str | None = None
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message)
+        if hint is not None:
+            self.hint = hint
+
+
+class UsageError(KvcliError):
+    """The command line itself is wrong (missing or contradictory arguments)."""
+
+    exit_code = 2
+
+
+class DocumentError(KvcliError):
+    """A document cannot be used: unreadable, empty, not text, too long for the model."""
+
+
+class ModelError(KvcliError):
+    """A model cannot be found, loaded, or cached (unsupported layer kinds)."""
+
+
+class GenerationError(KvcliError):
+    """Answering failed for a reason other than the cache (e.g. the prompt outgrows the model)."""
+
+
+class CacheError(KvcliError):
+    """A cache is missing, corrupt, of an unknown format, or does not fit the model: rebuild it."""
+
+    exit_code = 3
+
+
+class CacheMissingError(CacheError):
+    """No cache at the path (no valid manifest)."""
+
+
+class CacheCorruptError(CacheError):
+    """The manifest or a shard fails validation or its checksum."""
+
+
+class CacheVersionError(CacheError):
+    """The cache is of a format version this kvcli cannot read."""
+
+
+class CacheMismatchError(CacheError):
+    """The cache was built for another model, tokenizer, dtype or prompt framing."""
+
+
+class CacheExistsError(KvcliError):
+    """Refusing to replace an existing cache without --force."""
+
+    exit_code = 1

@@ -1,0 +1,96 @@
+"""Which cache layers kvcli can store and restore exactly, and how to move their state in and out.
+
+Two kinds are supported: "full" (transformers' DynamicLayer: every token's keys/values) and
+"sliding" (DynamicSlidingWindowLayer: the last window-1 tokens plus the counted length, which must be
+restored too or generate() silently recomputes the document). Anything else is refused up front.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ModelError
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """One layer's cached state: keys/values [batch, kv_heads, cached, head_dim] and its counted length."""
+
+    kind: str
+    keys: Any
+    values: Any
+    seq_length: int
+    sliding_window: int | None
+
+
+def plan(config: Any) -> list[tuple[str, int | None]]:
+    """(kind, window) for each decoder layer, from the config alone; ModelError for what kvcli refuses."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    model_type = getattr(config, "model_type", "unknown")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ModelError(f"model type '{model_type}' is an encoder-decoder model; kvcli caches decoder-only models")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):
+        raise ModelError(f"model type '{model_type}' uses compressed latent attention (MLA); kvcli cannot cache it exactly")
+    try:
+        cache = DynamicCache(config=config)
+    except Exception as exc:
+        raise ModelError(f"model type '{model_type}': cannot build its cache ({exc.__class__.__name__}: {exc})") from None
+    if not cache.layers:
+        raise ModelError(f"model type '{model_type}': its config describes no cache layers")
+    out = []
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            out.append(("full", None))
+        elif type(layer) is DynamicSlidingWindowLayer:
+            out.append(("sliding", int(layer.sliding_window)))
+        else:
+            raise ModelError(
+                f"model type '{model_type}' has a {type(layer).__name__} cache layer (layer {i}); "
+                "kvcli caches only attention keys/values (full or sliding-window), not recurrent or other state"
+            )
+    return out
+
+
+def read(cache: Any) -> list[LayerState]:
+    """The state of every layer of a filled DynamicCache."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    states = []
+    for layer in cache.layers:
+        sliding = isinstance(layer, DynamicSlidingWindowLayer)
+        states.append(
+            LayerState(
+                kind="sliding" if sliding else "full",
+                keys=layer.keys,
+                values=layer.values,
+                seq_length=int(layer.get_seq_length()),
+                sliding_window=int(layer.sliding_window) if sliding else None,
+            )
+        )
+    return states
+
+
+def fill(cache: Any, states: list[LayerState]) -> None:
+    """Put saved states into a fresh DynamicCache(config=...) built for the same model.
+
+    DynamicLayer.update never writes into the tensors it holds (it concatenates into new ones), so
+    the same tensors can be put back before each question: resetting costs nothing and no copy.
+    """
+    if len(cache.layers) != len(states):
+        raise ModelError(f"the model has {len(cache.layers)} cache layers, the cache {len(states)}")
+    for i, (layer, state) in enumerate(zip(cache.layers, states)):
+        window = getattr(layer, "sliding_window", None)
+        kind = "sliding" if window is not None else "full"
+        if kind != state.kind or (window is not None and int(window) != state.sliding_window):
+            raise ModelError(f"layer {i}: model has a {kind} layer (window {window}), cache holds {state.kind} (window {state.sliding_window})")
+        layer.device = state.keys.device
+        layer.keys = state.keys
+        layer.values = state.values
+        layer.is_initialized = True
+        if kind == "sliding":
+            layer.cumulative_length = state.seq_length  # counted length, not keys.shape[-2]
+            layer._sliding_window_tensor = layer._sliding_window_tensor.to(layer.device)

