@@ -291,6 +291,33 @@ def ls(
     return 0
 
 
+@command
+def bench(
+    doc: Annotated[Path, typer.Argument(help="Document to measure with (repeated or cut to each length).")],
+    tokens: Annotated[list[int], typer.Option("--tokens", "-n", help="Document lengths in tokens (repeatable; default: 1k, 2k, 4k, 8k within the model's limit).")] = [],  # noqa: B006
+    questions: Annotated[int, typer.Option(help="Questions timed per length.")] = 3,
+    model: ModelOpt = None,
+    revision: RevisionOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Measure prefill, restore and time to first token with and without the cache, and sizes."""
+    from . import bench as bn, documents, models
+
+    out = Output(quiet=quiet)
+    document = documents.read(doc)
+    with out.status("loading model"):
+        lm = models.load(model, revision=revision, device=device, dtype=dtype, progress=out.note)
+    result = bn.run(lm, document, tokens=tokens or None, questions=questions, progress=out.note)
+    if json_out:
+        out.json_doc(result)
+    else:
+        out.table(bn.render(result))
+    return 0
+
+
 def _age(seconds: float) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
