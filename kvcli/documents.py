@@ -19,7 +19,7 @@ class Document:
     sha256: str  # of the bytes as read
 
     def record(self) -> dict:
-        return {"name": self.name, "sha256": self.sha256, "chars": len(self.text)}
+        return {"name": Path(self.name).name if self.name != "-" else "-", "sha256": self.sha256, "chars": len(self.text)}
 
 
 def decode(data: bytes, name: str, encoding: str = "utf-8") -> Document:

@@ -218,6 +218,8 @@ class _quiet_transformers:
     def __enter__(self):
         from transformers.utils import logging as hf_logging
 
+        self._tqdm = os.environ.get("TQDM_DISABLE")
+        os.environ["TQDM_DISABLE"] = "1"  # the GGUF reader uses tqdm directly
         self._level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
@@ -228,6 +230,10 @@ class _quiet_transformers:
 
         hf_logging.set_verbosity(self._level)
         hf_logging.enable_progress_bar()
+        if self._tqdm is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = self._tqdm
 
 
 def _first_line(exc: BaseException) -> str:
