@@ -156,7 +156,7 @@ def parse(raw: bytes, where: str) -> Manifest:
         raise _bad(where, f"unsupported dtype {dtype!r}")
     for key in ("num_layers", "num_kv_heads", "head_dim"):
         _int(model, key, where, 1, MAX_DIM)
-    for key in ("config_sha256", "tokenizer_sha256"):
+    for key in ("config_sha256", "weights_sha256", "tokenizer_sha256"):
         _str(model, key, where, pattern=_SHA256)
     _str(model, "model_type", where)
     _get(model, "source", dict, where)

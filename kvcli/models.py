@@ -327,6 +327,7 @@ def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
         "name": getattr(config, "_name_or_path", "") or config.model_type,
         "model_type": config.model_type,
         "config_sha256": _sha256_json(cfg),
+        "weights_sha256": weights_sha256(model),
         "tokenizer_sha256": tokenizer_sha256(tokenizer),
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None,
         "dtype": dtype_name(model.dtype),
@@ -335,6 +336,22 @@ def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
         "head_dim": head_dim,
         "max_positions": getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
     }
+
+
+def weights_sha256(model: Any, samples: int = 1024) -> str:
+    """Hash a fixed sample of every weight (as bfloat16, so dtype is checked separately): cheap at any
+    model size, and it tells a fine-tune apart from its base model, which share config and tokenizer."""
+    import torch
+
+    h = hashlib.sha256()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel())).long().to(flat.device)
+            sample = flat[idx].to("cpu", torch.bfloat16).view(torch.int16)
+            h.update(f"{name}:{list(param.shape)}:".encode())
+            h.update(sample.numpy().tobytes())
+    return h.hexdigest()
 
 
 def tokenizer_sha256(tokenizer: Any) -> str:

@@ -16,6 +16,7 @@ from .store import OpenedCache
 _CHECKED = (
     ("model_type", "model type"),
     ("config_sha256", "model config"),
+    ("weights_sha256", "weights"),
     ("tokenizer_sha256", "tokenizer"),
     ("num_layers", "layer count"),
     ("num_kv_heads", "key/value heads"),
