@@ -1,0 +1,42 @@
+"""Small helpers for CLI tests: run kvcli through typer's runner and check the stdout/stderr split."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from kvcli.cli import app
+
+runner = CliRunner()
+
+
+def run(*args: str, input: str | None = None, env: dict | None = None):
+    """Invoke kvcli in-process; returns click's Result (stdout, stderr, exit_code)."""
+    return runner.invoke(app, [str(a) for a in args], input=input, env=env)
+
+
+def error_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("kvcli: error:")]
+
+
+def assert_clean_error(result, code: int, *needles: str) -> str:
+    """Exit code as documented, exactly one error line naming what is wrong, no traceback."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    lines = error_lines(result)
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert result.stdout == ""
+    return lines[0]
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
