@@ -281,12 +281,12 @@ def ls(
     if json_out:
         out.json_doc(rows)
         return 0
-    table = Table("cache", "tokens", "model", "on disk", "ratio", "age")
+    table = Table("cache", "tokens", "model", "on disk", "ratio", "age", title=str(folder))
     for r in rows:
         if "error" in r:
-            table.add_row(r["path"], "-", f"[red]{r['error']}[/red]", "-", "-", "-")
+            table.add_row(Path(r["path"]).name, "-", f"[red]{r['error']}[/red]", "-", "-", "-")
             continue
-        table.add_row(r["path"], f"{r['num_tokens']:,}", str(r["model"]), human_bytes(r["bytes_on_disk"]), f"{r['ratio']:.1%}", _age(r["age_s"]))
+        table.add_row(Path(r["path"]).name, f"{r['num_tokens']:,}", str(r["model"]), human_bytes(r["bytes_on_disk"]), f"{r['ratio']:.1%}", _age(r["age_s"]))
     out.table(table)
     return 0
 
