@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,11 @@ from pathlib import Path
 from .errors import DocumentError
 
 MAX_DOCUMENT_BYTES = 256 * 1024 * 1024
+_WIDE = ("utf-16", "utf16", "utf-32", "utf32", "ucs-2", "ucs2", "ucs-4", "ucs4")  # where NUL bytes are normal
+# Control characters that never appear in text (tab, newlines, form feed and ESC of coloured logs do).
+_BINARY_CHARS = re.compile(r"[\x00-\x08\x0e-\x1a\x1c-\x1f\x7f]")
+_SNIFF = 65536
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 @dataclass(frozen=True)
@@ -19,14 +25,16 @@ class Document:
     sha256: str  # of the bytes as read
 
     def record(self) -> dict:
-        return {"name": Path(self.name).name if self.name != "-" else "-", "sha256": self.sha256, "chars": len(self.text)}
+        name = Path(self.name).name if self.name != "-" else "-"
+        return {"name": _CONTROL.sub("?", name), "sha256": self.sha256, "chars": len(self.text)}
 
 
 def decode(data: bytes, name: str, encoding: str = "utf-8") -> Document:
     """Decode document bytes; refuse binary, empty and undecodable input with a precise message."""
-    nul = data.find(b"\x00", 0, 65536)
-    if nul >= 0 and not encoding.lower().replace("_", "-").startswith(("utf-16", "utf16", "utf-32", "utf32")):
-        raise DocumentError(f"{name}: looks like a binary file (NUL byte at offset {nul}), not text")
+    wide = encoding.lower().replace("_", "-").startswith(_WIDE)
+    nul = -1 if wide else data.find(b"\x00")
+    if nul >= 0:
+        raise DocumentError(f"{name}: looks like a binary file (NUL byte at byte offset {nul}), not text")
     try:
         text = data.decode(encoding)
     except LookupError:
@@ -36,6 +44,10 @@ def decode(data: bytes, name: str, encoding: str = "utf-8") -> Document:
             f"{name}: not valid {encoding} at byte offset {exc.start} ({exc.reason}); pass --encoding if it is another encoding"
         ) from None
     text = text.removeprefix("\ufeff")
+    head = text[:_SNIFF]
+    controls = len(_BINARY_CHARS.findall(head))
+    if "\x00" in text or controls > max(2, len(head) // 100):
+        raise DocumentError(f"{name}: looks like a binary file ({controls} control characters in its first {len(head):,}), not text")
     if not text.strip():
         raise DocumentError(f"{name}: the document is empty")
     return Document(name=name, text=text, sha256=hashlib.sha256(data).hexdigest())

@@ -23,6 +23,24 @@ LAYER_KINDS = ("full", "sliding")
 _SHARD_NAME = re.compile(r"^layer_[0-9]{3,6}\.safetensors\.zst$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_DIM = 1 << 24
+# Generous ceilings far above any real model; the model-dependent checks (restore.check_fits) are stricter.
+MAX_LAYERS = 4096
+MAX_KV_HEADS = 4096
+MAX_HEAD_DIM = 8192
+MAX_TOKENS = 1 << 24
+MAX_TEXT = 4096  # names, versions, hashes, paths: anything longer is not something kvcli wrote
+# C0/C1 control characters (ESC starts terminal escape sequences): never in a name kvcli writes or prints.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_TOP_KEYS = {"format", "format_version", "manifest_sha256", "kvcli_version", "transformers_version", "created",
+             "model", "framing", "document", "token_ids", "compression", "layers"}
+_LAYER_KEYS = {"index", "kind", "cached_length", "seq_length", "sliding_window", "file", "key_shape", "value_shape",
+               "raw_bytes", "decoded_bytes", "stored_bytes", "sha256"}
+_SOURCE_FIELDS = {"default": ("path", "sha256"), "gguf": ("path", "sha256"), "folder": ("path",), "hub": ("id",), "object": ()}
+
+
+def shard_name(index: int) -> str:
+    """The one file name layer `index` may have (a manifest naming anything else is refused)."""
+    return f"layer_{index:03d}.safetensors.zst"
 
 
 @dataclass(frozen=True)
@@ -98,11 +116,13 @@ def _bad(where: str, what: str) -> CacheCorruptError:
 
 
 def _get(obj: dict, key: str, types: type | tuple, where: str, *, optional: bool = False) -> Any:
-    if key not in obj:
+    """obj[key] checked for type; `key` may be dotted ("model.dtype") to name the field in messages."""
+    name = key.rpartition(".")[2]
+    if name not in obj:
         if optional:
             return None
         raise _bad(where, f"manifest field '{key}' is missing")
-    value = obj[key]
+    value = obj[name]
     if optional and value is None:
         return None
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
@@ -119,68 +139,102 @@ def _int(obj: dict, key: str, where: str, lo: int, hi: int, *, optional: bool = 
     return value
 
 
-def _str(obj: dict, key: str, where: str, *, optional: bool = False, pattern: re.Pattern | None = None) -> str | None:
+def _str(obj: dict, key: str, where: str, *, optional: bool = False, pattern: re.Pattern | None = None,
+         limit: int | None = MAX_TEXT) -> str | None:
     value = _get(obj, key, str, where, optional=optional)
-    if value is not None and pattern is not None and not pattern.match(value):
+    if value is None:
+        return None
+    if pattern is not None and not pattern.fullmatch(value):
         raise _bad(where, f"manifest field '{key}' is malformed")
+    if limit is not None and len(value) > limit:
+        raise _bad(where, f"manifest field '{key}' is implausibly long")
+    if limit is not None and _CONTROL.search(value):
+        raise _bad(where, f"manifest field '{key}' holds control characters")
     return value
 
 
 def _shape(obj: dict, key: str, where: str) -> tuple[int, ...]:
     value = _get(obj, key, list, where)
-    if len(value) != 4 or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_DIM for v in value):
+    if len(value) != 4 or any(type(v) is not int or not 0 <= v <= MAX_DIM for v in value):
         raise _bad(where, f"manifest field '{key}' is not a 4-d shape")
     return tuple(value)
 
 
 def parse(raw: bytes, where: str) -> Manifest:
-    """Parse and validate manifest bytes; raise CacheCorruptError / CacheVersionError naming `where`."""
+    """Parse and validate manifest bytes; raise CacheCorruptError / CacheVersionError naming `where`.
+
+    Every field kvcli reads is checked for type and range, and the fields are checked against each
+    other (layer count, shapes vs token count vs byte counts), before any shard is touched.
+    """
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, huge int literals
         raise _bad(where, f"manifest is not valid JSON ({exc.__class__.__name__})") from None
     if not isinstance(body, dict):
         raise _bad(where, "manifest is not a JSON object")
     if body.get("format") != FORMAT_NAME:
         raise _bad(where, "not a kvcli cache manifest")
     version = body.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:
         raise CacheVersionError(f"{where}: cache format version {version!r} is not supported (this kvcli reads {FORMAT_VERSION})")
-    if body.get("manifest_sha256") != checksum(body):
+    try:
+        intact = body.get("manifest_sha256") == checksum(body)
+    except (ValueError, TypeError, RecursionError):
+        intact = False
+    if not intact:
         raise _bad(where, "manifest checksum does not match its content (edited or damaged)")
+    try:
+        return _validate(body, version, where)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as exc:
+        # Defence in depth: a check should have named the problem already; a crafted manifest never crashes kvcli.
+        raise _bad(where, f"manifest does not follow the schema ({exc.__class__.__name__})") from None
+
+
+def _validate(body: dict, version: int, where: str) -> Manifest:
+    unknown = sorted(set(body) - _TOP_KEYS)
+    if unknown:
+        raise _bad(where, f"unknown manifest field {unknown[0]!r}")
+    for key in ("kvcli_version", "transformers_version", "created"):
+        _str(body, key, where)
     for key in ("model", "framing", "document", "compression"):
         _get(body, key, dict, where)
     model = body["model"]
-    dtype = _str(model, "dtype", where)
+    dtype = _str(model, "model.dtype", where)
     if dtype not in DTYPE_SIZES:
         raise _bad(where, f"unsupported dtype {dtype!r}")
-    for key in ("num_layers", "num_kv_heads", "head_dim"):
-        _int(model, key, where, 1, MAX_DIM)
+    _int(model, "model.num_layers", where, 1, MAX_LAYERS)
+    _int(model, "model.num_kv_heads", where, 1, MAX_KV_HEADS)
+    _int(model, "model.head_dim", where, 1, MAX_HEAD_DIM)
+    max_positions = _int(model, "model.max_positions", where, 1, 1 << 40, optional=True)
     for key in ("config_sha256", "weights_sha256", "tokenizer_sha256"):
-        _str(model, key, where, pattern=_SHA256)
-    _str(model, "model_type", where)
-    _get(model, "source", dict, where)
+        _str(model, f"model.{key}", where, pattern=_SHA256)
+    _str(model, "model.chat_template_sha256", where, pattern=_SHA256, optional=True)
+    _str(model, "model.model_type", where)
+    _str(model, "model.name", where, optional=True)
+    _source(_get(model, "model.source", dict, where), where)
     framing = body["framing"]
-    if _str(framing, "kind", where) not in ("chat", "plain"):
+    if _str(framing, "framing.kind", where) not in ("chat", "plain"):
         raise _bad(where, "unknown prompt framing")
-    _str(framing, "system", where, optional=True)
+    _str(framing, "framing.system", where, optional=True, limit=None)  # prompt text: any characters (shown with repr)
+    _int(framing, "framing.version", where, 0, 1 << 20, optional=True)
+    _str(framing, "framing.template_sha256", where, pattern=_SHA256, optional=True)
     document = body["document"]
-    _str(document, "sha256", where, pattern=_SHA256)
-    _int(document, "chars", where, 0, 1 << 40)
+    _str(document, "document.sha256", where, pattern=_SHA256)
+    _int(document, "document.chars", where, 0, 1 << 40)
+    _str(document, "document.name", where, optional=True)
     compression = body["compression"]
     if compression.get("codec") != "zstd" or compression.get("transform", "none") not in ("none", "byteplane"):
         raise _bad(where, "unknown compression")
+    _int(compression, "compression.level", where, -(1 << 17), 22, optional=True)
     token_ids = _get(body, "token_ids", list, where)
-    if not token_ids or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < (1 << 31) for t in token_ids):
+    if not token_ids or any(type(t) is not int or not 0 <= t < (1 << 31) for t in token_ids):
         raise _bad(where, "token_ids must be a non-empty list of non-negative integers")
+    if len(token_ids) > MAX_TOKENS or (max_positions is not None and len(token_ids) > max_positions):
+        raise _bad(where, f"{len(token_ids)} tokens exceed the model's limit of {max_positions or MAX_TOKENS} positions")
     layers_raw = _get(body, "layers", list, where)
     if len(layers_raw) != model["num_layers"]:
         raise _bad(where, f"{len(layers_raw)} layers listed, model has {model['num_layers']}")
     layers = [_layer(entry, i, len(token_ids), model, where) for i, entry in enumerate(layers_raw)]
-    if len({layer.file for layer in layers}) != len(layers):
-        raise _bad(where, "two layers name the same shard file")
-    for key in ("kvcli_version", "transformers_version", "created"):
-        _str(body, key, where)
     return Manifest(
         format_version=version,
         kvcli_version=body["kvcli_version"],
@@ -195,10 +249,22 @@ def parse(raw: bytes, where: str) -> Manifest:
     )
 
 
+def _source(source: dict, where: str) -> None:
+    """Where the model came from: `ask` without --model loads it again, so every field it reads is checked."""
+    kind = _str(source, "model.source.kind", where)
+    _str(source, "model.source.name", where, optional=True)
+    for key in _SOURCE_FIELDS.get(kind, ()):
+        _str(source, f"model.source.{key}", where, pattern=_SHA256 if key == "sha256" else None)
+    _str(source, "model.source.revision", where, optional=True)
+
+
 def _layer(entry: Any, i: int, num_tokens: int, model: dict, where: str) -> LayerEntry:
     w = f"{where} (layer {i})"
     if not isinstance(entry, dict):
         raise _bad(w, "layer entry is not an object")
+    unknown = sorted(set(entry) - _LAYER_KEYS)
+    if unknown:
+        raise _bad(w, f"unknown layer field {unknown[0]!r}")
     if _int(entry, "index", w, 0, MAX_DIM) != i:
         raise _bad(w, "layer index out of order")
     kind = _str(entry, "kind", w)
@@ -212,15 +278,17 @@ def _layer(entry: Any, i: int, num_tokens: int, model: dict, where: str) -> Laye
     expect_cached = num_tokens if kind == "full" else min(num_tokens, window - 1)
     if seq_length != num_tokens or cached != expect_cached:
         raise _bad(w, f"lengths {cached}/{seq_length} do not fit {num_tokens} cached tokens")
-    name = _str(entry, "file", w)
-    if not _SHARD_NAME.match(name):
-        raise _bad(w, f"shard name {name!r} is not a plain layer file name")
+    name = _get(entry, "file", str, w)
+    if not _SHARD_NAME.fullmatch(name) or name != shard_name(i):  # never a path: no '/', no '..', one name per layer
+        raise _bad(w, f"shard name {name!r} is not the plain file name {shard_name(i)!r}")
     key_shape, value_shape = _shape(entry, "key_shape", w), _shape(entry, "value_shape", w)
     for shape in (key_shape, value_shape):
         if shape[0] != 1 or shape[1] != model["num_kv_heads"] or shape[2] != cached:
             raise _bad(w, f"shape {list(shape)} does not fit the model and {cached} tokens")
     if key_shape[3] != model["head_dim"]:
         raise _bad(w, f"key head_dim {key_shape[3]} does not match the model's {model['head_dim']}")
+    if not 1 <= value_shape[3] <= MAX_HEAD_DIM:
+        raise _bad(w, f"value head_dim {value_shape[3]} is out of range")
     item = DTYPE_SIZES[model["dtype"]]
     raw = item * (_numel(key_shape) + _numel(value_shape))
     if _int(entry, "raw_bytes", w, 0, 1 << 48) != raw:
@@ -228,7 +296,9 @@ def _layer(entry: Any, i: int, num_tokens: int, model: dict, where: str) -> Laye
     decoded = _int(entry, "decoded_bytes", w, 0, 1 << 48)
     if not raw < decoded <= raw + 8 + 64 * 1024:
         raise _bad(w, "decoded_bytes does not fit the shapes")
-    _int(entry, "stored_bytes", w, 1, 1 << 48)
+    stored = _int(entry, "stored_bytes", w, 1, 1 << 48)
+    if stored > decoded + decoded // 64 + 4096:  # zstd never expands data by more than a sliver
+        raise _bad(w, "stored_bytes does not fit decoded_bytes")
     _str(entry, "sha256", w, pattern=_SHA256)
     return LayerEntry(
         index=i,
