@@ -71,6 +71,7 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, *, transform: str, le
 
 def _decompress_exact(data: bytes | memoryview, size: int, name: str) -> torch.Tensor:
     """Decompress into a fresh uint8 tensor of exactly `size` bytes; more or less is corruption."""
+    _check_declared_size(data, size, name)  # before allocating anything
     out = torch.empty(size, dtype=torch.uint8)
     view = memoryview(out.numpy()).cast("B")
     try:
@@ -89,6 +90,16 @@ def _decompress_exact(data: bytes | memoryview, size: int, name: str) -> torch.T
     return out
 
 
+def _check_declared_size(data: bytes | memoryview, size: int, name: str) -> None:
+    """A zstd frame that declares a content size other than the manifest's is refused unread (zip-bomb guard)."""
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        raise CacheCorruptError(f"{name}: not a zstandard frame") from None
+    if declared >= 0 and declared != size:
+        raise CacheCorruptError(f"{name}: declares {declared} decompressed bytes, manifest says {size}")
+
+
 def _parse_header(buf: torch.Tensor, name: str) -> tuple[dict, int]:
     if buf.numel() < 8:
         raise CacheCorruptError(f"{name}: payload too short for a safetensors header")
@@ -97,7 +108,7 @@ def _parse_header(buf: torch.Tensor, name: str) -> tuple[dict, int]:
         raise CacheCorruptError(f"{name}: safetensors header of {n} bytes does not fit")
     try:
         header = json.loads(buf[8 : 8 + n].numpy().tobytes())
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: JSONDecodeError, huge int literals
         raise CacheCorruptError(f"{name}: safetensors header is not valid JSON") from None
     if not isinstance(header, dict):
         raise CacheCorruptError(f"{name}: safetensors header is not an object")
@@ -124,6 +135,8 @@ def decode_layer(
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or meta.get("transform", "none") != transform:
         raise CacheCorruptError(f"{name}: transform in shard does not match the manifest")
+    if meta.get("dtype", dtype_name(dtype)) != dtype_name(dtype):  # byte planes are U8: only this tells bf16 from f16
+        raise CacheCorruptError(f"{name}: dtype in shard does not match the manifest")
     out = []
     end_prev = 0
     for tname in ("keys", "values"):
@@ -137,7 +150,10 @@ def decode_layer(
             want = (_ST_DTYPE[dtype], list(shape))
         if not isinstance(entry, dict) or (entry.get("dtype"), entry.get("shape")) != want:
             raise CacheCorruptError(f"{name}: {tname} has dtype/shape {entry!r}, expected {want}")
-        begin, end = entry.get("data_offsets", [None, None])
+        offsets = entry.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise CacheCorruptError(f"{name}: {tname} data offsets are malformed")
+        begin, end = offsets
         if begin != end_prev or end != begin + numel * item:
             raise CacheCorruptError(f"{name}: {tname} data offsets are inconsistent")
         end_prev = end
