@@ -192,11 +192,11 @@ def _converted_folder(gguf: Path, sha: str, progress: Progress | None) -> Path:
         with _quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model.hf_quantizer = None  # the weights are dequantized; let save_pretrained write them
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+            model.hf_quantizer = None  # the weights are dequantized; let save_pretrained write them
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
         (tmp / "kvcli-source.json").write_text(json.dumps({"gguf": gguf.name, "sha256": sha}) + "\n")
         try:
             os.rename(tmp, folder)
@@ -218,8 +218,10 @@ class _quiet_transformers:
     def __enter__(self):
         from transformers.utils import logging as hf_logging
 
-        self._tqdm = os.environ.get("TQDM_DISABLE")
-        os.environ["TQDM_DISABLE"] = "1"  # the GGUF reader uses tqdm directly
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        self._gguf_tqdm = gguf_utils.tqdm
+        gguf_utils.tqdm = lambda iterable, **_: iterable  # the GGUF reader's own bar ignores the switch below
         self._level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
@@ -230,10 +232,9 @@ class _quiet_transformers:
 
         hf_logging.set_verbosity(self._level)
         hf_logging.enable_progress_bar()
-        if self._tqdm is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = self._tqdm
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf_utils.tqdm = self._gguf_tqdm
 
 
 def _first_line(exc: BaseException) -> str:
@@ -347,7 +348,8 @@ def weights_sha256(model: Any, samples: int = 1024) -> str:
     with torch.no_grad():
         for name, param in model.named_parameters():
             flat = param.detach().reshape(-1)
-            idx = torch.linspace(0, flat.numel() - 1, min(samples, flat.numel())).long().to(flat.device)
+            k = min(samples, flat.numel())
+            idx = (torch.arange(k, dtype=torch.long) * (flat.numel() - 1) // max(k - 1, 1)).to(flat.device)
             sample = flat[idx].to("cpu", torch.bfloat16).view(torch.int16)
             h.update(f"{name}:{list(param.shape)}:".encode())
             h.update(sample.numpy().tobytes())
