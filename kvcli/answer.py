@@ -112,6 +112,7 @@ class Session:
             restore.check_fits(self.manifest, lm, str(self.path), convert_dtype=convert_dtype)
             self.states = restore.load_states(opened, device=lm.device, dtype=lm.dtype)
         self.framing = fr.Framing(kind=self.manifest.framing["kind"], system=self.manifest.framing.get("system"))
+        self.warnings = _version_warnings(self.manifest, self.path)
         self.load_s = time.perf_counter() - t0
         self._unreported_load = self.load_s
 
@@ -186,6 +187,16 @@ class Session:
             finish_reason="stop" if done_by_stop or len(answer_ids) < max_new else "length",
             cache=str(self.path),
         )
+
+
+def _version_warnings(manifest, path: Path) -> list[str]:
+    """A cache from another transformers release may hold keys/values computed by other model code."""
+    import transformers
+
+    built, now = manifest.transformers_version, transformers.__version__
+    if built.split(".")[:2] != now.split(".")[:2]:
+        return [f"{path}: built with transformers {built}, running {now}; if answers look off, rebuild the cache"]
+    return []
 
 
 class ModelPool:

@@ -101,10 +101,10 @@ def prefill(
         lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     failed: list[KvcliError] = []
     for n, (doc, target) in enumerate(targets, 1):
-        label = f"[{n}/{len(targets)}] {doc}" if len(targets) > 1 else f"prefill {doc}"
+        overall = (n, len(targets)) if len(targets) > 1 else None
         try:
             document = documents.read(doc, encoding)
-            with out.progress(label) as update:
+            with out.progress(f"prefill {doc}", overall=overall) as update:
                 r = pf.prefill(lm, document, target, system=system, framing=framing, chunk_size=chunk_size, force=force, progress=update)
         except (KvcliError, CacheError) as exc:
             if len(targets) == 1:
@@ -175,6 +175,8 @@ def ask(
         try:
             with out.status(f"loading {path}"):
                 session = an.Session(loader.for_cache(path), path, convert_dtype=convert_dtype)
+            for warning in session.warnings:
+                out.warn(warning)
         except KvcliError as exc:
             if len(cache) == 1:
                 raise

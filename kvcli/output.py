@@ -55,8 +55,11 @@ class Output:
             self.err.print(f"hint: {hint}", style="dim", markup=False)
 
     @contextmanager
-    def progress(self, label: str, unit: str = "tokens") -> Iterator:
-        """Yield update(done, total): a bar with rate on a terminal, silent otherwise."""
+    def progress(self, label: str, unit: str = "tokens", overall: tuple[int, int] | None = None) -> Iterator:
+        """Yield update(done, total): a bar with rate on a terminal, silent otherwise.
+
+        overall=(n, N) adds a second bar for the n-th of N items (e.g. documents in one run).
+        """
         if not self.interactive:
             yield lambda done, total: None
             return
@@ -70,6 +73,8 @@ class Output:
             console=self.err,
             transient=True,
         ) as bar:
+            if overall:
+                bar.add_task("documents", total=overall[1], completed=overall[0] - 1, rate="")
             task = bar.add_task(label, total=None, rate="")
 
             def update(done: int, total: int) -> None:
