@@ -149,7 +149,7 @@ def decode_layer(
         else:
             want = (_ST_DTYPE[dtype], list(shape))
         if not isinstance(entry, dict) or (entry.get("dtype"), entry.get("shape")) != want:
-            raise CacheCorruptError(f"{name}: {tname} has dtype/shape {entry!r}, expected {want}")
+            raise CacheCorruptError(f"{name}: {tname} has dtype/shape {repr(entry)[:200]}, expected {want}")
         offsets = entry.get("data_offsets")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise CacheCorruptError(f"{name}: {tname} data offsets are malformed")
