@@ -35,6 +35,7 @@ def plan(config: Any) -> list[tuple[str, int | None]]:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "kv_lora_rank", None):
         raise ModelError(f"model type '{model_type}' uses compressed latent attention (MLA); kvcli cannot cache it exactly")
+    _refuse_length_dependent_rope(text, model_type)
     try:
         cache = DynamicCache(config=config)
     except Exception as exc:
@@ -55,13 +56,41 @@ def plan(config: Any) -> list[tuple[str, int | None]]:
     return out
 
 
-def read(cache: Any) -> list[LayerState]:
-    """The state of every layer of a filled DynamicCache."""
-    from transformers.cache_utils import DynamicSlidingWindowLayer
+def _refuse_length_dependent_rope(text: Any, model_type: str) -> None:
+    """longrope (Phi-3-128k, Phi-3.5, Phi-4-mini) switches every position's rotary frequencies once a forward
+    pass reaches past original_max_position_embeddings: a document cached in shorter passes (or shorter than
+    that) gets other keys than the whole prompt recomputed, so answers silently differ. Exact only if no
+    sequence kvcli allows can pass that point."""
+    limit = getattr(text, "max_position_embeddings", None)
+    rope = getattr(text, "rope_parameters", None) or {}
+    for params in [rope] if "rope_type" in rope else [p for p in rope.values() if isinstance(p, dict)]:
+        if params.get("rope_type") != "longrope":
+            continue
+        original = params.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+        if limit is None or original is None or original < limit:
+            raise ModelError(
+                f"model type '{model_type}' uses longrope rotary scaling, whose frequencies change for every position once "
+                f"a sequence passes {original} tokens; kvcli cannot cache it exactly"
+            )
 
+
+def _kind(layer: Any, index: int) -> str:
+    """'full' or 'sliding' for transformers' two plain dynamic layers (or kvcli's own subclasses of them)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    base = next(c for c in type(layer).__mro__ if not c.__module__.startswith("kvcli"))
+    if base is DynamicLayer:
+        return "full"
+    if base is DynamicSlidingWindowLayer:
+        return "sliding"
+    raise ModelError(f"layer {index} is a {type(layer).__name__}; kvcli stores only full or sliding-window attention layers")
+
+
+def read(cache: Any) -> list[LayerState]:
+    """The state of every layer of a filled DynamicCache; ModelError for a layer holding anything else."""
     states = []
-    for layer in cache.layers:
-        sliding = isinstance(layer, DynamicSlidingWindowLayer)
+    for i, layer in enumerate(cache.layers):
+        sliding = _kind(layer, i) == "sliding"
         states.append(
             LayerState(
                 kind="sliding" if sliding else "full",
@@ -83,8 +112,8 @@ def fill(cache: Any, states: list[LayerState]) -> None:
     if len(cache.layers) != len(states):
         raise ModelError(f"the model has {len(cache.layers)} cache layers, the cache {len(states)}")
     for i, (layer, state) in enumerate(zip(cache.layers, states)):
-        window = getattr(layer, "sliding_window", None)
-        kind = "sliding" if window is not None else "full"
+        kind = _kind(layer, i)
+        window = layer.sliding_window if kind == "sliding" else None
         if kind != state.kind or (window is not None and int(window) != state.sliding_window):
             raise ModelError(f"layer {i}: model has a {kind} layer (window {window}), cache holds {state.kind} (window {state.sliding_window})")
         layer.device = state.keys.device

@@ -1,0 +1,524 @@
+"""Caches whose layers differ: full-attention and sliding-window layers restored exactly, other kinds refused.
+
+Each supported model type is a tiny random-weight model whose config mirrors the real family's
+structure (grouped-query ratios, head_dim unlike hidden/heads, rope scaling, softcapping, sliding
+windows), with the real SmolLM2 tokenizer. "Exact" means: the answer ids from a restored cache equal
+greedy generate() on the full prompt ids without a cache, for several questions on one loaded cache,
+on a document longer than any window; and the model ran forward only each question's appended ids
+and its answer tokens, never the document again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+
+import kvcli
+from kvcli import layers, restore
+from kvcli.documents import decode
+from kvcli.errors import CacheMismatchError, ModelError
+from kvcli.prefill import prefill  # not kvcli.prefill: after the first call that name is the submodule
+from kvcli.store import read_manifest
+from tests.conftest import TokenCounter, reference_answer, sample_text
+from tests.helpers import assert_clean_error, run
+
+QUESTIONS = (
+    "What does the word Licensor mean?",
+    "When does the patent license terminate?",
+    "Is the Work provided with any warranty?",
+)
+MAX_NEW = 10
+OPTS = kvcli.GenerationOptions(max_new_tokens=MAX_NEW)
+DOC_CHARS = 2400  # about 480 tokens: many times the windows below (24-48)
+CHUNK = 56  # not a multiple of any window, and larger than some: chunks straddle window edges
+
+
+def _special(tok) -> dict:
+    return dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
+def _llama(tok, **over):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # Llama 3.x: grouped-query (here 4 query heads per kv head), llama3 rope scaling, rope_theta 500k.
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
+    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=1, head_dim=32, max_position_embeddings=8192, rope_parameters=rope,
+               initializer_range=0.1, **_special(tok))
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **over}))
+
+
+def _qwen2(tok, **over):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    # Qwen2.5-0.5B: qkv bias, 7:1 grouped-query (here 3:1), tied embeddings, rope_theta 1e6, no sliding.
+    cfg = dict(vocab_size=len(tok), hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+               num_key_value_heads=2, max_position_embeddings=32768, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+               tie_word_embeddings=True, use_sliding_window=False, initializer_range=0.1, **_special(tok))
+    return Qwen2ForCausalLM(Qwen2Config(**{**cfg, **over}))
+
+
+def _qwen3(tok, **over):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # Qwen3-0.6B: q/k RMSNorm, head_dim 128 with hidden 1024 / 16 heads (here 32 with 64 / 4), 2:1 grouped-query.
+    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, max_position_embeddings=40960, tie_word_embeddings=True,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+               initializer_range=0.2, **_special(tok))  # 0.1 with tied embeddings repeats one token
+    return Qwen3ForCausalLM(Qwen3Config(**{**cfg, **over}))
+
+
+def _mistral(tok, **over):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    # Mistral 7B v0.1: a sliding window on every layer, 4:1 grouped-query; head_dim set apart (as Mistral-Nemo).
+    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=1, head_dim=32, sliding_window=32, max_position_embeddings=8192,
+               initializer_range=0.1, **_special(tok))
+    return MistralForCausalLM(MistralConfig(**{**cfg, **over}))
+
+
+def _phi3(tok, **over):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    # Phi-3: fused qkv and gate_up projections, a sliding window on every layer (2047 in Phi-3-mini),
+    # partial rotary embeddings (Phi-4-mini: 0.75), grouped-query as in Phi-3-medium.
+    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, sliding_window=40, max_position_embeddings=4096, original_max_position_embeddings=4096,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+               initializer_range=0.1, **_special(tok))
+    return Phi3ForCausalLM(Phi3Config(**{**cfg, **over}))
+
+
+def _gemma2(tok, **over):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    # Gemma 2: sliding and full layers alternating, attention and final logit softcapping, head_dim 256 with
+    # hidden 2304 / 8 heads (here 32 with 64 / 4), query_pre_attn_scalar, scaled embeddings. Untied here: a tiny
+    # random model with tied, sqrt(hidden)-scaled embeddings repeats one token, which would make comparisons weak.
+    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, sliding_window=24, query_pre_attn_scalar=32,
+               attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=8192,
+               tie_word_embeddings=False, initializer_range=0.1, **_special(tok))
+    return Gemma2ForCausalLM(Gemma2Config(**{**cfg, **over}))
+
+
+def _gemma3(tok, **over):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # Gemma 3 (text): five sliding layers per full one (here three), q/k norms, local rope theta 10k and
+    # global 1M with linear rope scaling (factor 8) on the full layers only, 4:1 grouped-query. Untied as gemma2.
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}
+    cfg = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=1, head_dim=32, sliding_window=48, query_pre_attn_scalar=32,
+               layer_types=["sliding_attention"] * 3 + ["full_attention"], rope_parameters=rope,
+               max_position_embeddings=32768, tie_word_embeddings=False, initializer_range=0.1, **_special(tok))
+    return Gemma3ForCausalLM(Gemma3TextConfig(**{**cfg, **over}))
+
+
+def _gpt2(tok, **over):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # GPT-2: learned absolute positions ending at n_positions (1024), multi-head attention, fused c_attn.
+    cfg = dict(vocab_size=len(tok), n_positions=1024, n_embd=64, n_layer=2, n_head=4, initializer_range=0.1,
+               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    return GPT2LMHeadModel(GPT2Config(**{**cfg, **over}))
+
+
+# model type -> (builder, plain framing?, expected (kind, window) per layer)
+ARCHS = {
+    "llama": (_llama, False, [("full", None)] * 2),
+    "qwen2": (_qwen2, False, [("full", None)] * 2),
+    "qwen3": (_qwen3, False, [("full", None)] * 2),
+    "mistral": (_mistral, False, [("sliding", 32)] * 3),
+    "phi3": (_phi3, False, [("sliding", 40)] * 2),
+    "gemma2": (_gemma2, False, [("sliding", 24), ("full", None)] * 2),
+    "gemma3_text": (_gemma3, False, [("sliding", 48)] * 3 + [("full", None)]),
+    "gpt2": (_gpt2, True, [("full", None)] * 2),
+}
+SLIDING = [name for name, (_b, _p, plan) in ARCHS.items() if any(kind == "sliding" for kind, _w in plan)]
+
+
+def build(name: str, tok, seed: int = 0, **over):
+    import torch
+
+    torch.manual_seed(seed)
+    model = ARCHS[name][0](tok, **over).eval()
+    assert model.config.model_type == name
+    return model
+
+
+@pytest.fixture(scope="module")
+def arch(tokenizer, plain_tokenizer, tmp_path_factory):
+    """arch(name): the tiny model of that type, wrapped, with one document prefilled (built once per module)."""
+    built: dict[str, SimpleNamespace] = {}
+
+    def get(name: str) -> SimpleNamespace:
+        if name not in built:
+            tok = plain_tokenizer if ARCHS[name][1] else tokenizer
+            model = build(name, tok)
+            lm = kvcli.from_objects(model, tok, name=f"tiny-{name}")
+            path = tmp_path_factory.mktemp(name) / "doc.kv"
+            doc = decode(sample_text()[:DOC_CHARS].encode(), "licence.txt")
+            result = prefill(lm, doc, path, chunk_size=CHUNK)
+            built[name] = SimpleNamespace(name=name, model=model, tok=tok, lm=lm, path=path, doc=doc,
+                                          manifest=result.manifest, plan=ARCHS[name][2])
+        return built[name]
+
+    return get
+
+
+def _assert_varied(ids: list[int]) -> None:
+    assert len(ids) >= 4 and len(set(ids)) >= 3, f"degenerate reference answer {ids}: the comparison would mean little"
+
+
+def _check_answer(a, model, cached_ids: list[int], counted: list[int]) -> None:
+    """Exact against recompute, and the forward passes saw the appended ids, then one answer token at a time."""
+    assert a.prompt_token_ids[: len(cached_ids)] == cached_ids and a.cached_tokens == len(cached_ids)
+    assert a.new_tokens == len(a.prompt_token_ids) - len(cached_ids) > 0
+    assert counted[0] == a.new_tokens, counted
+    assert counted[1:] == [1] * (len(a.answer_token_ids) - 1), counted
+    assert sum(counted) == a.processed_tokens == a.new_tokens + len(a.answer_token_ids) - 1
+    ref = reference_answer(model, a.prompt_token_ids, MAX_NEW)
+    _assert_varied(ref)
+    assert a.answer_token_ids == ref
+
+
+# ---------------------------------------------------------------------------------------------------
+# Every supported model type: manifest, restored lengths, exact answers, processed-token counts
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_plan_matches_the_models_own_cache(arch, name):
+    a = arch(name)
+    assert layers.plan(a.model.config) == a.plan
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_manifest_records_each_layers_kind_window_and_counted_length(arch, name):
+    a = arch(name)
+    m = read_manifest(a.path)
+    n = m.num_tokens
+    windows = [w for _k, w in a.plan if w]
+    assert n > 4 * max(windows, default=0) and n > 3 * CHUNK  # longer than any window, prefilled in several chunks
+    assert [(layer.kind, layer.sliding_window) for layer in m.layers] == a.plan
+    for layer in m.layers:
+        assert layer.seq_length == n  # counted length: every document token, whatever the layer keeps
+        kept = n if layer.kind == "full" else layer.sliding_window - 1
+        assert layer.cached_length == kept and layer.key_shape[-2] == kept and layer.value_shape[-2] == kept
+    assert m.model["model_type"] == name
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_restored_cache_counts_the_whole_document(arch, name):
+    a = arch(name)
+    session = kvcli.Session(a.lm, a.path)
+    n = len(session.token_ids)
+    cache = restore.new_cache(a.lm, session.states)
+    assert [layer.get_seq_length() for layer in cache.layers] == [n] * len(a.plan)
+    assert cache.get_seq_length() == n
+    for layer, (kind, window) in zip(cache.layers, a.plan):
+        assert layer.keys.shape[-2] == (n if kind == "full" else window - 1)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_several_questions_on_one_loaded_cache_match_recompute(arch, name):
+    a = arch(name)
+    session = kvcli.Session(a.lm, a.path)
+    counter = TokenCounter(a.model)
+    try:
+        answers = []  # (answer, token positions of each forward pass)
+        for q in QUESTIONS:  # the second and third questions reuse the loaded cache
+            counter.reset()
+            answers.append((session.ask(q, OPTS), list(counter.calls)))
+    finally:
+        counter.close()
+    for ans, counted in answers:
+        _check_answer(ans, a.model, session.token_ids, counted)
+    assert len({tuple(ans.answer_token_ids) for ans, _c in answers}) > 1  # the questions did change the answers
+
+
+@pytest.mark.parametrize("name", SLIDING)
+def test_wrong_counted_length_recomputes_the_document_and_the_counter_shows_it(arch, name):
+    """Restore sliding layers with seq_length = stored length (window-1): generate() then treats most of the
+    document as new and runs it again. On an all-sliding model the answer stays exact: only the count tells."""
+    a = arch(name)
+    good = kvcli.Session(a.lm, a.path)
+    bad = kvcli.Session(a.lm, a.path)
+    bad.states = [dataclasses.replace(s, seq_length=s.keys.shape[-2]) if s.kind == "sliding" else s for s in bad.states]
+    n = len(good.token_ids)
+    counter = TokenCounter(a.model)
+    try:
+        ok = good.ask(QUESTIONS[0], OPTS)
+        ok_count = counter.total
+        counter.reset()
+        wrong = bad.ask(QUESTIONS[0], OPTS)
+        wrong_count = counter.total
+    finally:
+        counter.close()
+    assert ok_count == ok.processed_tokens == ok.new_tokens + len(ok.answer_token_ids) - 1
+    assert wrong_count == wrong.processed_tokens
+    assert wrong_count - ok_count >= n // 2, (n, ok_count, wrong_count)  # most of the document ran again
+    if all(kind == "sliding" for kind, _w in a.plan):
+        assert wrong.answer_token_ids == ok.answer_token_ids  # silently right: only the counter catches it
+
+
+# ---------------------------------------------------------------------------------------------------
+# Windows recorded in the manifest: a model with other windows or layer kinds is refused
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_model_with_another_window_is_refused(arch):
+    a = arch("mistral")
+    other = kvcli.from_objects(build("mistral", a.tok, sliding_window=24), a.tok, name="tiny-mistral-w24")
+    with pytest.raises(CacheMismatchError) as err:
+        kvcli.Session(other, a.path)
+    assert err.value.exit_code == 3 and "model config" in str(err.value)
+
+
+def _same_fingerprint(lm, like):
+    """A LoadedModel claiming the fingerprint of `like`: only the per-layer check can tell them apart."""
+    return dataclasses.replace(lm, fingerprint=dict(like.fingerprint))
+
+
+def test_layer_check_catches_another_window_even_when_hashes_agree(arch):
+    a = arch("mistral")
+    other = _same_fingerprint(kvcli.from_objects(build("mistral", a.tok, sliding_window=24), a.tok), a.lm)
+    with pytest.raises(CacheMismatchError) as err:
+        kvcli.Session(other, a.path)
+    assert err.value.exit_code == 3
+    assert "layer 0 is sliding (window 32) in the cache, sliding (window 24) in the model" in str(err.value)
+
+
+def test_layer_check_catches_other_layer_kinds_even_when_hashes_agree(arch):
+    a = arch("gemma3_text")
+    swapped = ["full_attention"] + ["sliding_attention"] * 3
+    other = _same_fingerprint(kvcli.from_objects(build("gemma3_text", a.tok, layer_types=swapped), a.tok), a.lm)
+    with pytest.raises(CacheMismatchError) as err:
+        kvcli.Session(other, a.path)
+    assert "layer 0 is sliding (window 48) in the cache, full (window None) in the model" in str(err.value)
+
+
+def test_fill_refuses_states_of_another_layout(arch):
+    a = arch("gemma2")
+    states = kvcli.Session(a.lm, a.path).states
+    from transformers import DynamicCache
+
+    with pytest.raises(ModelError, match="layer 0: model has a sliding layer \\(window 24\\), cache holds full"):
+        layers.fill(DynamicCache(config=a.model.config), [dataclasses.replace(states[0], kind="full", sliding_window=None), *states[1:]])
+    with pytest.raises(ModelError, match="cache layers"):
+        layers.fill(DynamicCache(config=a.model.config), states[:-1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The core exactness requirements on llama (grouped-query), qwen2 and gpt2: several documents
+# ---------------------------------------------------------------------------------------------------
+
+LONG_CHARS = {"llama": 14000, "qwen2": 14000, "gpt2": 3200}  # gpt2: document + question + answer within 1024
+DOCS = {
+    # name -> (text, chunk_size)
+    "long": (None, 512),
+    "short": ("Minutes of the 3 May meeting: Bruno will order forty chairs; the hall opens at nine.", 512),
+    "odd": (None, 7),  # tiny chunks, a boundary in mid-sentence
+}
+CORE_QUESTIONS = ("Who is named in the text?", "Summarise the text in one sentence.")
+
+
+@pytest.fixture(scope="module")
+def core(arch, tmp_path_factory):
+    """core(name): {doc name: (Document, cache path)} for the several-documents tests."""
+    made: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in made:
+            a = arch(name)
+            folder = tmp_path_factory.mktemp(f"core-{name}")
+            texts = {
+                "long": sample_text(LONG_CHARS[name])[: LONG_CHARS[name]],
+                "short": DOCS["short"][0],
+                "odd": sample_text()[5000:5600] + " trailing space ",
+            }
+            made[name] = {}
+            for key, text in texts.items():
+                doc = decode(text.encode(), f"{key}.txt")
+                prefill(a.lm, doc, folder / f"{key}.kv", chunk_size=DOCS[key][1])
+                made[name][key] = (doc, folder / f"{key}.kv")
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_several_documents_several_questions_exact(arch, core, name):
+    a = arch(name)
+    docs = core(name)
+    n_long = read_manifest(docs["long"][1]).num_tokens
+    assert n_long >= (2000 if name != "gpt2" else 600) and n_long > 512  # prefilled in several chunks
+    if name == "gpt2":
+        assert a.lm.max_positions == 1024 and n_long + 320 <= 1024
+    counter = TokenCounter(a.model)
+    try:
+        for key, (doc, path) in docs.items():
+            session = kvcli.Session(a.lm, path)
+            assert session.manifest.framing["kind"] == ("plain" if name == "gpt2" else "chat")
+            for q in CORE_QUESTIONS:
+                counter.reset()
+                ans = session.ask(q, OPTS)
+                counted = list(counter.calls)
+                text = a.tok.decode(ans.prompt_token_ids)
+                assert doc.text.strip() in text and q in text, key
+                assert text.index(doc.text.strip()) < text.rindex(q)
+                _check_answer(ans, a.model, session.token_ids, counted)
+    finally:
+        counter.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_second_answer_equals_that_question_alone(arch, core, name):
+    a = arch(name)
+    _doc, path = core(name)["long"]
+    session = kvcli.Session(a.lm, path)
+    first = session.ask(CORE_QUESTIONS[0], OPTS)
+    second = session.ask(CORE_QUESTIONS[1], OPTS)
+    alone = kvcli.Session(a.lm, path).ask(CORE_QUESTIONS[1], OPTS)
+    assert second.answer_token_ids == alone.answer_token_ids and second.answer == alone.answer
+    assert second.prompt_token_ids == alone.prompt_token_ids
+    assert second.processed_tokens == alone.processed_tokens == second.new_tokens + len(second.answer_token_ids) - 1
+    assert first.answer_token_ids != second.answer_token_ids
+
+
+# ---------------------------------------------------------------------------------------------------
+# Refused: state-space / linear-attention hybrids, encoder-decoder, compressed latent attention (MLA)
+# ---------------------------------------------------------------------------------------------------
+
+REFUSED = {
+    # model type -> (config kwargs for a tiny model, what the message must name)
+    "mamba": (dict(hidden_size=32, num_hidden_layers=2, state_size=4, expand=2, conv_kernel=4), "LinearAttentionLayer"),
+    "falcon_h1": (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=64, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
+                       mamba_n_groups=1, mamba_d_conv=4), "LinearAttentionAndFullAttentionLayer"),
+    "qwen3_next": (dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2,
+                        num_experts_per_tok=1, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                        linear_value_head_dim=8), "LinearAttentionLayer"),
+    "t5": (dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4), "encoder-decoder"),
+    "bart": (dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+                  encoder_ffn_dim=64, decoder_ffn_dim=64), "encoder-decoder"),
+    "deepseek_v3": (dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         intermediate_size=64, moe_intermediate_size=16, n_routed_experts=2, num_experts_per_tok=1,
+                         n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                         qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1), "compressed latent attention (MLA)"),
+}
+
+
+def _refused_config(name: str, vocab: int):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(name, vocab_size=vocab, **REFUSED[name][0])
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unsupported_model_is_refused_from_objects(tokenizer, name):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    config = _refused_config(name, len(tokenizer))
+    torch.manual_seed(0)
+    auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    model = auto.from_config(config)  # a real tiny random-weight model of that type
+    with pytest.raises(ModelError) as err:
+        kvcli.from_objects(model, tokenizer)
+    assert err.value.exit_code == 1
+    assert f"model type '{name}'" in str(err.value) and REFUSED[name][1] in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["mamba", "falcon_h1", "qwen3_next", "t5", "deepseek_v3"])
+def test_unsupported_model_is_refused_by_the_cli_before_prefill(tokenizer, tmp_path, name):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(_refused_config(name, len(tokenizer)).to_dict()))
+    doc = tmp_path / "doc.txt"
+    doc.write_text(sample_text()[:500], encoding="utf-8")
+    out = tmp_path / "doc.kv"
+    result = run("prefill", doc, "--model", folder, "-o", out)
+    assert_clean_error(result, 1, f"model type '{name}'", REFUSED[name][1])
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "doc.txt"])
+
+
+def test_cache_of_a_supported_model_is_refused_by_an_unsupported_one(arch, tokenizer):
+    """Even handed a cache directly, a model with other layer kinds gets an error, never an answer."""
+    a = arch("llama")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hybrid = AutoModelForCausalLM.from_config(_refused_config("qwen3_next", len(tokenizer)))
+    lm = dataclasses.replace(a.lm, model=hybrid)  # bypasses from_objects' own check
+    with pytest.raises(ModelError, match="model type 'qwen3_next' has a LinearAttentionLayer"):
+        kvcli.Session(lm, a.path).ask(QUESTIONS[0], OPTS)
+
+
+def test_prefill_refuses_a_hybrid_cache_even_when_the_model_check_is_bypassed(tokenizer, tmp_path):
+    """layers.read refuses state it cannot store (here falcon_h1's SSM state next to its keys/values) rather than
+    writing a cache of keys/values alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvcli.models import LoadedModel, fingerprint
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_refused_config("falcon_h1", len(tokenizer))).eval()
+    lm = LoadedModel(model=model, tokenizer=tokenizer, source={"kind": "object", "name": "x"}, fingerprint=fingerprint(model, tokenizer))
+    with pytest.raises(ModelError, match="layer 0 is a LinearAttentionAndFullAttentionLayer"):
+        prefill(lm, decode(sample_text()[:400].encode(), "d.txt"), tmp_path / "x.kv", chunk_size=64)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rope scaling whose frequencies depend on the sequence length (longrope: Phi-3-128k, Phi-3.5, Phi-4-mini)
+# ---------------------------------------------------------------------------------------------------
+
+LONGROPE_ORIGINAL = 128
+
+
+def _longrope(original: int, limit: int) -> dict:
+    rotary = 16 // 2 // 2  # head_dim 16, partial_rotary_factor 0.5: one factor per rotary frequency
+    return dict(sliding_window=None, max_position_embeddings=limit, original_max_position_embeddings=original,
+                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                 "short_factor": [1.0] * rotary, "long_factor": [4.0] * rotary,
+                                 "original_max_position_embeddings": original})
+
+
+def test_longrope_past_its_original_length_is_refused(tokenizer):
+    model = build("phi3", tokenizer, **_longrope(LONGROPE_ORIGINAL, 4096))
+    with pytest.raises(ModelError) as err:
+        kvcli.from_objects(model, tokenizer)
+    assert err.value.exit_code == 1
+    assert "model type 'phi3'" in str(err.value) and "longrope" in str(err.value)
+    # where no sequence kvcli allows can pass the switch point, longrope behaves like plain rope
+    layers.plan(build("phi3", tokenizer, **_longrope(4096, 4096)).config)
+
+
+def test_why_longrope_is_refused_chunked_keys_differ_from_recompute(tokenizer):
+    """The hazard itself, without kvcli: prefill in chunks below the switch point, then a question past it,
+    gives other logits than one pass over the whole prompt (the reference for exactness)."""
+    import torch
+    from transformers import DynamicCache
+
+    model = build("phi3", tokenizer, **_longrope(LONGROPE_ORIGINAL, 4096))
+    ids = tokenizer(sample_text()[:1200])["input_ids"][: 2 * LONGROPE_ORIGINAL]
+    doc, question = ids[:-16], ids[-16:]
+    with torch.inference_mode():
+        whole = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        cache = DynamicCache(config=model.config)
+        for start in range(0, len(doc), 64):  # the first chunks stay below the switch point
+            model(input_ids=torch.tensor([doc[start : start + 64]]), cache=cache, use_cache=True)
+        cached = model(input_ids=torch.tensor([question]), cache=cache, use_cache=True).logits[0, -1]
+    assert (whole - cached).abs().max() > 1e-3
