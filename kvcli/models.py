@@ -321,8 +321,8 @@ def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    heads = getattr(text, "num_attention_heads", None)
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads)
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     template = getattr(tokenizer, "chat_template", None)
     return {
         "name": getattr(config, "_name_or_path", "") or config.model_type,
@@ -332,7 +332,7 @@ def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
         "tokenizer_sha256": tokenizer_sha256(tokenizer),
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None,
         "dtype": dtype_name(model.dtype),
-        "num_layers": text.num_hidden_layers,
+        "num_layers": getattr(text, "num_hidden_layers", None),
         "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
         "head_dim": head_dim,
         "max_positions": getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
