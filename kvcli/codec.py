@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from typing import BinaryIO
 
+import numpy as np
 import torch
 import zstandard
 
@@ -20,6 +22,8 @@ TRANSFORMS = ("none", "byteplane")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
 MAX_HEADER = 64 * 1024  # a shard's safetensors header is a few hundred bytes; anything bigger is hostile
+_FRAME_HEADER_MAX = 18  # ZSTD_FRAMEHEADERSIZE_MAX: enough to read the declared content size
+CHUNK_ELEMS = 1 << 16  # elements decompressed per step when undoing byte planes: the scratch stays in cache
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -33,25 +37,46 @@ class EncodedLayer:
     decoded_bytes: int  # size of the safetensors payload inside the zstd frame
 
 
-def _planes(t: torch.Tensor) -> torch.Tensor:
-    """[..] float -> [itemsize, numel] uint8, byte k of every element in row k."""
-    flat = t.contiguous().view(-1).view(torch.uint8).view(t.numel(), t.element_size())
-    return flat.t().contiguous()
+def _byte_view(t: torch.Tensor) -> np.ndarray:
+    """The memory of a CPU tensor as a numpy uint8 array [*shape[:-1], shape[-1] * itemsize] (no copy).
+
+    Works for strided tensors too, as long as the last dimension is contiguous (kvcli's restore buffers
+    are views with room for more tokens after each head's block)."""
+    if t.device.type != "cpu" or (t.dim() and t.stride(-1) != 1):
+        raise ValueError("expected a CPU tensor whose last dimension is contiguous")
+    return t.detach().view(torch.uint8).numpy()
 
 
-def _safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """Serialise like safetensors.torch.save, without an intermediate copy of each tensor."""
+def _payload(tensors: dict[str, torch.Tensor], metadata: dict[str, str], transform: str) -> np.ndarray:
+    """The safetensors bytes (as safetensors.torch.save lays them out) built in one buffer.
+
+    With byteplane each tensor is stored as U8 [itemsize, numel]: row k holds byte k of every element.
+    Every byte is copied exactly once, straight to its place in the buffer."""
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, t in tensors.items():
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        shape = [t.element_size(), t.numel()] if transform == "byteplane" else list(t.shape)
+        dtype = "U8" if transform == "byteplane" else _ST_DTYPE[t.dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
         offset += n
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # safetensors pads the header to 8 bytes
-    parts = [struct.pack("<Q", len(head)), head]
-    parts += [t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors.values()]
-    return b"".join(parts)
+    out = np.empty(8 + len(head) + offset, dtype=np.uint8)
+    out[:8] = np.frombuffer(struct.pack("<Q", len(head)), dtype=np.uint8)
+    out[8 : 8 + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    pos = 8 + len(head)
+    for t in tensors.values():
+        src = _byte_view(t.contiguous()).reshape(-1)
+        n, item = src.size, t.element_size()
+        if transform == "byteplane" and n:
+            planes, elems = out[pos : pos + n].reshape(item, n // item), src.reshape(n // item, item)
+            for k in range(item):  # one strided gather per plane
+                planes[k] = elems[:, k]
+        else:
+            out[pos : pos + n] = src
+        pos += n
+    return out
 
 
 def encode_layer(keys: torch.Tensor, values: torch.Tensor, *, transform: str, level: int) -> EncodedLayer:
@@ -59,35 +84,33 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, *, transform: str, le
     if transform not in TRANSFORMS:
         raise ValueError(f"unknown transform {transform!r}")
     meta = {"transform": transform, "dtype": dtype_name(keys.dtype)}
-    if transform == "byteplane":
-        tensors = {"keys": _planes(keys), "values": _planes(values)}
-    else:
-        tensors = {"keys": keys.contiguous(), "values": values.contiguous()}
-    payload = _safetensors_bytes(tensors, meta)
+    payload = _payload({"keys": keys, "values": values}, meta, transform)
     data = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(payload)
     raw = keys.numel() * keys.element_size() + values.numel() * values.element_size()
-    return EncodedLayer(data=data, raw_bytes=raw, decoded_bytes=len(payload))
+    return EncodedLayer(data=data, raw_bytes=raw, decoded_bytes=int(payload.size))
 
 
-def _decompress_exact(data: bytes | memoryview, size: int, name: str) -> torch.Tensor:
-    """Decompress into a fresh uint8 tensor of exactly `size` bytes; more or less is corruption."""
-    _check_declared_size(data, size, name)  # before allocating anything
-    out = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(out.numpy()).cast("B")
-    try:
-        with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as reader:
-            got = 0
-            while got < size:
-                n = reader.readinto(view[got:])
-                if n == 0:
-                    break
-                got += n
-            extra = reader.read(1)
-    except zstandard.ZstdError as exc:
-        raise CacheCorruptError(f"{name}: not a valid zstandard stream ({exc})") from None
-    if got != size or extra:
-        raise CacheCorruptError(f"{name}: decompresses to {'more' if extra else got} bytes, manifest says {size}")
-    return out
+class _Exact:
+    """Reads a zstd stream into caller-given buffers, exactly `size` bytes in all: more or less is corruption."""
+
+    def __init__(self, reader, size: int, name: str):
+        self.reader, self.size, self.name, self.got = reader, size, name, 0
+
+    def readinto(self, buf: np.ndarray) -> None:
+        view = memoryview(buf).cast("B")
+        if self.got + len(view) > self.size:
+            raise CacheCorruptError(f"{self.name}: safetensors payload runs past the {self.size} bytes the manifest gives")
+        done = 0
+        while done < len(view):
+            n = self.reader.readinto(view[done:])
+            if n == 0:
+                raise CacheCorruptError(f"{self.name}: decompresses to {self.got + done} bytes, manifest says {self.size}")
+            done += n
+        self.got += done
+
+    def finish(self) -> None:
+        if self.got != self.size or self.reader.read(1):
+            raise CacheCorruptError(f"{self.name}: decompresses to more bytes, manifest says {self.size}")
 
 
 def _check_declared_size(data: bytes | memoryview, size: int, name: str) -> None:
@@ -100,14 +123,18 @@ def _check_declared_size(data: bytes | memoryview, size: int, name: str) -> None
         raise CacheCorruptError(f"{name}: declares {declared} decompressed bytes, manifest says {size}")
 
 
-def _parse_header(buf: torch.Tensor, name: str) -> tuple[dict, int]:
-    if buf.numel() < 8:
+def _read_header(src: _Exact, name: str) -> tuple[dict, int]:
+    if src.size < 8:
         raise CacheCorruptError(f"{name}: payload too short for a safetensors header")
-    (n,) = struct.unpack("<Q", buf[:8].numpy().tobytes())
-    if n > MAX_HEADER or 8 + n > buf.numel():
+    first = np.empty(8, dtype=np.uint8)
+    src.readinto(first)
+    (n,) = struct.unpack("<Q", first.tobytes())
+    if n > MAX_HEADER or 8 + n > src.size:
         raise CacheCorruptError(f"{name}: safetensors header of {n} bytes does not fit")
+    raw = np.empty(n, dtype=np.uint8)
+    src.readinto(raw)
     try:
-        header = json.loads(buf[8 : 8 + n].numpy().tobytes())
+        header = json.loads(raw.tobytes())
     except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: JSONDecodeError, huge int literals
         raise CacheCorruptError(f"{name}: safetensors header is not valid JSON") from None
     if not isinstance(header, dict):
@@ -115,8 +142,65 @@ def _parse_header(buf: torch.Tensor, name: str) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def _blocks(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
+    """t's bytes as numpy [blocks, rows, row_bytes], plus rows and elements per row, without copying.
+
+    Each block ([.., seq, head_dim] of one head) is contiguous; blocks may sit apart (room between heads)."""
+    if t.dim() < 2:
+        t = t.reshape(1, -1)
+    arr = _byte_view(t)
+    rows, cols = t.shape[-2], t.shape[-1]
+    return arr.reshape((-1, rows, arr.shape[-1]), copy=False), rows, cols  # raises rather than copy
+
+
+def _read_plain(src: _Exact, dst: torch.Tensor) -> None:
+    """Decompress a tensor's bytes straight into its final memory."""
+    blocks, _rows, _cols = _blocks(dst)
+    if blocks.flags.c_contiguous:
+        src.readinto(blocks)
+        return
+    for block in blocks:
+        if block.flags.c_contiguous:
+            src.readinto(block)
+        else:  # rows apart from each other: one row at a time
+            for row in block:
+                src.readinto(row)
+
+
+def _read_planes(src: _Exact, dst: torch.Tensor) -> None:
+    """Undo the byte-plane split into the final memory: plane k is decompressed a slice at a time into a
+    small scratch buffer (which stays in cache) and scattered into byte k of each element."""
+    item = dst.element_size()
+    blocks, rows, cols = _blocks(dst)
+    if blocks.size == 0:
+        return
+    elems = blocks.reshape((blocks.shape[0], rows, cols, item), copy=False)  # only the last axis is split
+    step = max(1, CHUNK_ELEMS // max(cols, 1))
+    scratch = np.empty(min(step, rows) * cols, dtype=np.uint8)
+    for k in range(item):
+        for block in elems:
+            for r in range(0, rows, step):
+                n = min(step, rows - r)
+                part = scratch[: n * cols]
+                src.readinto(part)
+                block[r : r + n, :, k] = part.reshape(n, cols)
+
+
+class _Chain:
+    """The bytes already read from a file, then the rest of the file (a source for stream_reader)."""
+
+    def __init__(self, head: bytes, rest):
+        self.head, self.rest = head, rest
+
+    def read(self, n: int = -1) -> bytes:
+        if self.head:
+            out, self.head = (self.head, b"") if n < 0 or n >= len(self.head) else (self.head[:n], self.head[n:])
+            return out
+        return self.rest.read(n)
+
+
 def decode_layer(
-    data: bytes | memoryview,
+    data: bytes | memoryview | BinaryIO,
     *,
     name: str,
     transform: str,
@@ -124,48 +208,68 @@ def decode_layer(
     key_shape: tuple[int, ...],
     value_shape: tuple[int, ...],
     decoded_bytes: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of encode_layer, checking every name, dtype, shape and offset against what is expected."""
-    buf = _decompress_exact(data, decoded_bytes, name)
-    header, start = _parse_header(buf, name)
+    """Inverse of encode_layer, checking every name, dtype, shape and offset against what is expected.
+
+    `data` is the stored bytes, or a binary file object read sequentially from its current position.
+    The payload is streamed: its header is read and checked first, then each tensor is decompressed
+    straight into its destination (`out`, else fresh tensors). `out` tensors must have the expected
+    shapes and dtype, live on the CPU and be contiguous per [seq, head_dim] block (views of larger
+    buffers with room for more tokens are fine). Nothing larger than a small scratch is allocated.
+    """
+    if hasattr(data, "read"):  # a file object: peek at the frame header, then read on from there
+        head = data.read(_FRAME_HEADER_MAX)
+        _check_declared_size(head, decoded_bytes, name)  # before allocating anything
+        data = _Chain(head, data)
+    else:
+        _check_declared_size(data, decoded_bytes, name)
     item = torch.empty((), dtype=dtype).element_size()
-    expected = {"keys": key_shape, "values": value_shape}
-    if set(header) - {"__metadata__"} != set(expected):
-        raise CacheCorruptError(f"{name}: holds tensors {sorted(header)}, expected keys and values")
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict) or meta.get("transform", "none") != transform:
-        raise CacheCorruptError(f"{name}: transform in shard does not match the manifest")
-    if meta.get("dtype", dtype_name(dtype)) != dtype_name(dtype):  # byte planes are U8: only this tells bf16 from f16
-        raise CacheCorruptError(f"{name}: dtype in shard does not match the manifest")
-    out = []
-    end_prev = 0
-    for tname in ("keys", "values"):
-        entry, shape = header[tname], expected[tname]
-        numel = 1
-        for s in shape:
-            numel *= s
-        if transform == "byteplane":
-            want = ("U8", [item, numel])
-        else:
-            want = (_ST_DTYPE[dtype], list(shape))
-        if not isinstance(entry, dict) or (entry.get("dtype"), entry.get("shape")) != want:
-            raise CacheCorruptError(f"{name}: {tname} has dtype/shape {repr(entry)[:200]}, expected {want}")
-        offsets = entry.get("data_offsets")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise CacheCorruptError(f"{name}: {tname} data offsets are malformed")
-        begin, end = offsets
-        if begin != end_prev or end != begin + numel * item:
-            raise CacheCorruptError(f"{name}: {tname} data offsets are inconsistent")
-        end_prev = end
-        raw = buf[start + begin : start + end]
-        if transform == "byteplane":
-            planes = raw.view(item, numel)
-            t = torch.empty(numel, item, dtype=torch.uint8)
-            for k in range(item):  # one strided copy per plane: far faster than a transposing copy
-                t[:, k].copy_(planes[k])
-            out.append(t.view(-1).view(dtype).view(shape))
-        else:
-            out.append(raw.view(dtype).view(shape))
-    if start + end_prev != buf.numel():
-        raise CacheCorruptError(f"{name}: trailing bytes after the tensors")
+    expected = {"keys": tuple(key_shape), "values": tuple(value_shape)}
+    if out is None:
+        out = (torch.empty(expected["keys"], dtype=dtype), torch.empty(expected["values"], dtype=dtype))
+    for t, shape in zip(out, expected.values()):
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"destination {tuple(t.shape)} {t.dtype} does not match {shape} {dtype}")
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as reader:
+            src = _Exact(reader, decoded_bytes, name)
+            header, start = _read_header(src, name)
+            if set(header) - {"__metadata__"} != set(expected):
+                raise CacheCorruptError(f"{name}: holds tensors {sorted(header)}, expected keys and values")
+            meta = header.get("__metadata__") or {}
+            if not isinstance(meta, dict) or meta.get("transform", "none") != transform:
+                raise CacheCorruptError(f"{name}: transform in shard does not match the manifest")
+            if meta.get("dtype", dtype_name(dtype)) != dtype_name(dtype):  # byte planes are U8: only this tells bf16 from f16
+                raise CacheCorruptError(f"{name}: dtype in shard does not match the manifest")
+            end_prev = 0
+            for tname in ("keys", "values"):
+                entry, shape = header[tname], expected[tname]
+                numel = 1
+                for s in shape:
+                    numel *= s
+                if transform == "byteplane":
+                    want = ("U8", [item, numel])
+                else:
+                    want = (_ST_DTYPE[dtype], list(shape))
+                if not isinstance(entry, dict) or (entry.get("dtype"), entry.get("shape")) != want:
+                    raise CacheCorruptError(f"{name}: {tname} has dtype/shape {repr(entry)[:200]}, expected {want}")
+                offsets = entry.get("data_offsets")
+                if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+                    raise CacheCorruptError(f"{name}: {tname} data offsets are malformed")
+                begin, end = offsets
+                if begin != end_prev or end != begin + numel * item:
+                    raise CacheCorruptError(f"{name}: {tname} data offsets are inconsistent")
+                end_prev = end
+            if start + end_prev != decoded_bytes:
+                raise CacheCorruptError(f"{name}: trailing bytes after the tensors" if start + end_prev < decoded_bytes
+                                        else f"{name}: tensors run past the {decoded_bytes} bytes the manifest gives")
+            for t in out:  # in payload order: keys, then values
+                if transform == "byteplane":
+                    _read_planes(src, t)
+                else:
+                    _read_plain(src, t)
+            src.finish()
+    except zstandard.ZstdError as exc:
+        raise CacheCorruptError(f"{name}: not a valid zstandard stream ({exc})") from None
     return out[0], out[1]
