@@ -44,13 +44,21 @@ def document_token_ids(lm: LoadedModel, document: Document, framing: fr.Framing)
 
 
 def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: ProgressFn | None = None):
-    """Forward the ids through the model chunk by chunk into a DynamicCache built from its config."""
+    """Forward the ids through the model chunk by chunk into a DynamicCache built from its config.
+
+    Full-attention layers get buffers for the whole document up front and each chunk's keys/values are
+    written in place (no concatenation copying the growing cache at every chunk), and CPU attention
+    reads grouped key/value heads directly (no copy repeated per query head): the chunked prefill then
+    costs about what one forward pass over the whole document does, with far less memory.
+    """
     import torch
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=lm.model.config)
+    from .restore import fast_attention, roomy
+
     total = len(ids)
-    with torch.inference_mode():
+    cache = roomy(DynamicCache(config=lm.model.config), reserve=total)
+    with torch.inference_mode(), fast_attention(lm):
         for start in range(0, total, chunk_size):
             chunk = torch.tensor([ids[start : start + chunk_size]], device=lm.device)  # [1, chunk]
             lm.model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from . import layers, manifest as mf
 from .codec import DTYPES, decode_layer
-from .errors import CacheMismatchError
+from .errors import CacheCorruptError, CacheMismatchError
 from .framing import FRAMING_VERSION
 from .models import LoadedModel
 from .store import OpenedCache
@@ -48,27 +52,37 @@ def check_fits(manifest: mf.Manifest, lm: LoadedModel, where: str, *, convert_dt
             )
 
 
-def load_states(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threads: int | None = None) -> list[layers.LayerState]:
-    """Read, verify and decompress every shard in parallel threads; tensors land on `device` in `dtype`."""
+ROOM_TOKENS = 256  # spare tokens after each full-attention layer's keys/values: questions append in place
+
+
+def load_states(
+    cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threads: int | None = None, room: int | None = None
+) -> list[layers.LayerState]:
+    """Read, verify and decompress every shard in parallel threads; tensors land on `device` in `dtype`.
+
+    Each shard is read once, in chunks that are hashed and decompressed while still in cache, straight
+    into the layer's final tensors: peak memory is the restored cache plus a few small buffers per
+    thread. Full-attention layers get `room` (default ROOM_TOKENS) spare tokens after each head's block
+    (their tensors are views of larger buffers), so new_cache() can append a question without copying.
+    """
+    import torch
+
     m = cache.manifest
     stored = DTYPES[m.dtype]
     target = dtype or stored
+    direct = torch.device(device).type == "cpu" and target == stored
 
     def one(i: int) -> layers.LayerState:
         entry = m.layers[i]
-        data = cache.read_shard(i)
-        keys, values = decode_layer(
-            data,
-            name=str(cache.path / entry.file),
-            transform=m.transform,
-            dtype=stored,
-            key_shape=entry.key_shape,
-            value_shape=entry.value_shape,
-            decoded_bytes=entry.decoded_bytes,
-        )
-        del data
-        if target != stored or str(device) != "cpu":
-            keys, values = keys.to(device=device, dtype=target), values.to(device=device, dtype=target)
+        extra = max(0, ROOM_TOKENS if room is None else room) if entry.kind == "full" else 0
+        keys = _roomy_empty(entry.key_shape, extra, target, device)
+        values = _roomy_empty(entry.value_shape, extra, target, device)
+        if direct:
+            _decode_shard(cache, i, stored, (keys, values))
+        else:  # another dtype or device: decode on the CPU, then convert into place
+            k, v = _decode_shard(cache, i, stored, None)
+            keys.copy_(k)
+            values.copy_(v)
         return layers.LayerState(entry.kind, keys, values, entry.seq_length, entry.sliding_window)
 
     workers = threads or min(len(m.layers), max(2, os.cpu_count() or 2))
@@ -76,10 +90,226 @@ def load_states(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, thre
         return list(pool.map(one, range(len(m.layers))))
 
 
+def _roomy_empty(shape: tuple[int, ...], extra: int, dtype: Any, device: Any):
+    """An uninitialised [batch, heads, seq, dim] tensor, as a view of a buffer with `extra` spare tokens."""
+    import torch
+
+    b, h, n, d = shape
+    if not extra:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty((b, h, n + extra, d), dtype=dtype, device=device)[:, :, :n]
+
+
+class _HashingReader:
+    """A shard file read sequentially, once, by the decompressor: every chunk is hashed as it passes."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size, self.pos = fd, size, 0
+        self.sha = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size + 1 - self.pos if n is None or n < 0 else min(n, self.size + 1 - self.pos)
+        data = os.pread(self.fd, n, self.pos) if n > 0 else b""
+        self.pos += len(data)
+        self.sha.update(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+def _decode_shard(cache: OpenedCache, i: int, stored: Any, out):
+    """Decode layer i (into `out` if given), verifying the shard's size and sha256 in the same single pass.
+
+    The bytes are checked against the manifest's checksum before anything decoded is returned; a shard
+    that fails both decoding and its checksum is reported as damaged (the checksum is the better clue).
+    """
+    entry = cache.manifest.layers[i]
+    where = str(cache.path / entry.file)
+    fd = cache.shards[i]
+    on_disk = os.fstat(fd).st_size
+    if on_disk != entry.stored_bytes:
+        raise CacheCorruptError(f"{where}: {on_disk} bytes on disk, manifest says {entry.stored_bytes} (truncated or extended)")
+    src = _HashingReader(fd, entry.stored_bytes)
+    damaged = CacheCorruptError(f"{where}: checksum mismatch (the shard is damaged)")
+    try:
+        tensors = decode_layer(
+            src,
+            name=where,
+            transform=cache.manifest.transform,
+            dtype=stored,
+            key_shape=entry.key_shape,
+            value_shape=entry.value_shape,
+            decoded_bytes=entry.decoded_bytes,
+            out=out,
+        )
+    except CacheCorruptError:
+        src.drain()
+        if src.pos != entry.stored_bytes or src.sha.hexdigest() != entry.sha256:
+            raise damaged from None
+        raise
+    src.drain()
+    if src.pos != entry.stored_bytes:
+        raise CacheCorruptError(f"{where}: {src.pos} bytes on disk, manifest says {entry.stored_bytes} (truncated or extended)")
+    if src.sha.hexdigest() != entry.sha256:
+        raise damaged
+    return tensors
+
+
+# ---------------------------------------------------------------- cache objects with room to grow
+
+_claim_lock = threading.Lock()
+
+
 def new_cache(lm: LoadedModel, states: list[layers.LayerState]):
-    """A fresh DynamicCache for the model holding the given states (cheap: no tensor is copied)."""
+    """A fresh DynamicCache for the model holding the given states (cheap: no tensor is copied).
+
+    Full-attention layers whose saved tensors have spare room (see load_states) append new tokens in
+    place instead of concatenating a copy of the whole cache at every forward pass. The saved tokens are
+    never written; the room after them is lent to one live cache at a time (a cache built while another
+    still holds the room concatenates as transformers does, so sharing states stays safe, just slower).
+    """
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     cache = DynamicCache(config=lm.model.config)
     layers.fill(cache, states)
+    owner = weakref.ref(cache)
+    with _claim_lock:
+        for layer, state in zip(cache.layers, states):
+            if type(layer) is not DynamicLayer or not (_room(state.keys) and _room(state.values)):
+                continue
+            held = getattr(state.keys, "_kvcli_room_owner", None)
+            if held is not None and held() is not None:
+                continue
+            state.keys._kvcli_room_owner = owner
+            layer.__class__ = roomy_layer_class()
     return cache
+
+
+def _room(t) -> int:
+    """How many more tokens a [1, heads, seq, dim] view can take in place (0 if none or not such a view)."""
+    if t.dim() != 4 or t.shape[0] != 1 or t.stride(-1) != 1 or t.stride(-2) != t.shape[-1]:
+        return 0
+    heads, n, dim = t.shape[1], t.shape[2], t.shape[3]
+    end = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()  # elements from the view's start
+    per_head = t.stride(1) // dim if heads > 1 else end // dim
+    last = (end - (heads - 1) * t.stride(1)) // dim if dim else 0  # the last head's block can use the storage's end
+    return max(0, min(per_head, last) - n)
+
+
+def _append(old, new):
+    """old extended by new along the sequence, written in place after old's tokens; None without room."""
+    if new.dtype != old.dtype or new.device != old.device or new.shape[:2] != old.shape[:2] or new.shape[3] != old.shape[3]:
+        return None
+    n, q = old.shape[2], new.shape[2]
+    if _room(old) < q:
+        return None
+    view = old.as_strided((old.shape[0], old.shape[1], n + q, old.shape[3]), old.stride(), old.storage_offset())
+    view[:, :, n:].copy_(new)
+    return view
+
+
+def _grow(old, new):
+    """Concatenate into a private buffer with room for more tokens (what DynamicLayer does, plus room)."""
+    import torch
+
+    b, h, n, d = old.shape
+    q = new.shape[2]
+    buf = torch.empty((b, h, n + q + max(ROOM_TOKENS, (n + q) // 4), d), dtype=torch.promote_types(old.dtype, new.dtype), device=old.device)
+    buf[:, :, :n].copy_(old)
+    buf[:, :, n : n + q].copy_(new)
+    return buf[:, :, : n + q]
+
+
+_ROOMY: list = []
+
+
+def roomy_layer_class():
+    """RoomyLayer, defined on first use (importing transformers at import time would slow every command)."""
+    if _ROOMY:
+        return _ROOMY[0]
+    from transformers.cache_utils import DynamicLayer
+
+    class RoomyLayer(DynamicLayer):
+        """A full-attention DynamicLayer that appends into spare room after its tokens instead of
+        concatenating: the same keys/values (as views) for the attention, without copying the cache.
+
+        `reserve` (tokens) sizes the buffer allocated at the first update (prefill of a known length)."""
+
+        reserve = 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.device = key_states.device
+                self.keys = _empty_like(key_states, self.reserve)
+                self.values = _empty_like(value_states, self.reserve)
+                self.is_initialized = True
+            keys, values = _append(self.keys, key_states), _append(self.values, value_states)
+            if keys is None or values is None:
+                keys, values = _grow(self.keys, key_states), _grow(self.values, value_states)
+            self.keys, self.values = keys, values
+            return keys, values
+
+    _ROOMY.append(RoomyLayer)
+    return RoomyLayer
+
+
+def _empty_like(states, tokens: int):
+    """A [batch, heads, 0, dim] view of a fresh buffer with room for `tokens` tokens."""
+    import torch
+
+    b, h, q, d = states.shape
+    return torch.empty((b, h, max(tokens, q), d), dtype=states.dtype, device=states.device)[:, :, :0]
+
+
+def roomy(cache, reserve: int = 0):
+    """Make every plain full-attention layer of a fresh DynamicCache append in place (see RoomyLayer)."""
+    from transformers.cache_utils import DynamicLayer
+
+    for layer in cache.layers:
+        if type(layer) is DynamicLayer and not layer.is_initialized:
+            layer.__class__ = roomy_layer_class()
+            layer.reserve = reserve
+    return cache
+
+
+# ---------------------------------------------------------------- attention without repeating keys
+
+_gqa_lock = threading.Lock()
+_gqa_users = 0
+_gqa_saved: str | None = None
+_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+@contextmanager
+def fast_attention(lm: LoadedModel):
+    """While active, CPU sdpa attention with a mask (a question after a cached document, a prefill chunk)
+    runs grouped-query attention natively instead of first copying every key/value head n_rep times.
+
+    transformers only does that without a mask unless TRANSFORMERS_SDPA_FORCE_GQA=1; on CPU, torch's
+    kernel gives bit-identical results either way (tests compare answers with recompute). Elsewhere
+    (CUDA may fall back to a slower kernel) this does nothing.
+    """
+    global _gqa_users, _gqa_saved
+    import torch
+
+    if torch.device(lm.device).type != "cpu":
+        yield
+        return
+    with _gqa_lock:
+        if _gqa_users == 0:
+            _gqa_saved = os.environ.get(_GQA_ENV)
+            os.environ[_GQA_ENV] = "1"
+        _gqa_users += 1
+    try:
+        yield
+    finally:
+        with _gqa_lock:
+            _gqa_users -= 1
+            if _gqa_users == 0:
+                if _gqa_saved is None:
+                    os.environ.pop(_GQA_ENV, None)
+                else:
+                    os.environ[_GQA_ENV] = _gqa_saved
