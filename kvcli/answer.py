@@ -159,7 +159,7 @@ class Session:
         input_ids = torch.tensor([prompt], device=self.lm.device)  # [1, cached + appended]
         hook = model.register_forward_pre_hook(count, with_kwargs=True)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), restore.fast_attention(self.lm):
                 out = model.generate(
                     input_ids=input_ids,
                     attention_mask=torch.ones_like(input_ids),
