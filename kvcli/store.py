@@ -15,10 +15,12 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import signal
 import stat
+import struct
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -183,20 +185,121 @@ def _still_same(path: Path, dir_fd: int) -> bool:
 def verify(path: str | os.PathLike, *, decode: bool = True) -> mf.Manifest:
     """Check the manifest and every shard's size and sha256; raise CacheError naming the first bad file.
 
-    With decode (the default) each shard is also decompressed (bounded by the manifest) and its
-    safetensors header checked, exactly as a restore would: a shard that passes here restores.
+    With decode (the default) each shard is also decompressed and its safetensors layout checked
+    against the manifest, as a restore would, but streamed in small chunks and without building
+    tensors: memory stays small whatever the manifest claims, and no torch is needed.
     """
     with open_cache(path) as cache:
         m = cache.manifest
         for i, entry in enumerate(m.layers):
             data = cache.read_shard(i)
             if decode:
-                from . import codec  # torch: loaded only when shards are decoded
-
-                codec.decode_layer(data, name=str(cache.path / entry.file), transform=m.transform, dtype=codec.DTYPES[m.dtype],
-                                   key_shape=entry.key_shape, value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes)
+                check_payload(data, where=str(cache.path / entry.file), transform=m.transform, dtype=m.dtype,
+                              key_shape=entry.key_shape, value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes)
             del data
         return m
+
+
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_MAX_HEADER = 64 * 1024
+_CHUNK = 1 << 20
+
+
+def check_payload(data: bytes, *, where: str, transform: str, dtype: str, key_shape: tuple[int, ...],
+                  value_shape: tuple[int, ...], decoded_bytes: int) -> None:
+    """Decompress one shard in bounded chunks and check it holds exactly what the manifest describes.
+
+    The same rules as codec.decode_layer (which the fuzz tests hold both to): a zstd frame that
+    declares no other size, a safetensors header naming keys and values with the expected dtype,
+    shape and adjacent offsets, and exactly decoded_bytes in all. Nothing larger than a chunk is held.
+    """
+    import zstandard
+
+    def bad(what: str) -> CacheCorruptError:
+        return CacheCorruptError(f"{where}: {what}")
+
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        raise bad("not a zstandard frame") from None
+    if declared >= 0 and declared != decoded_bytes:
+        raise bad(f"declares {declared} decompressed bytes, manifest says {decoded_bytes}")
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as reader:
+
+            def take(n: int) -> bytes:
+                parts, got = [], 0
+                while got < n:
+                    part = reader.read(min(n - got, _CHUNK))
+                    if not part:
+                        break
+                    parts.append(part)
+                    got += len(part)
+                return b"".join(parts)
+
+            first = take(8)
+            if len(first) < 8:
+                raise bad(f"decompresses to {len(first)} bytes, manifest says {decoded_bytes}")
+            (n,) = struct.unpack("<Q", first)
+            if n > _MAX_HEADER or 8 + n > decoded_bytes:
+                raise bad(f"safetensors header of {n} bytes does not fit")
+            raw = take(n)
+            if len(raw) < n:
+                raise bad(f"decompresses to {8 + len(raw)} bytes, manifest says {decoded_bytes}")
+            _check_header(raw, 8 + n, where=where, transform=transform, dtype=dtype, key_shape=key_shape,
+                          value_shape=value_shape, decoded_bytes=decoded_bytes)
+            got = 8 + n
+            while True:  # the tensors: counted, not kept
+                part = reader.read(min(_CHUNK, decoded_bytes + 1 - got))
+                if not part:
+                    break
+                got += len(part)
+                if got > decoded_bytes:
+                    raise bad(f"decompresses to more bytes, manifest says {decoded_bytes}")
+            if got != decoded_bytes:
+                raise bad(f"decompresses to {got} bytes, manifest says {decoded_bytes}")
+    except zstandard.ZstdError as exc:
+        raise bad(f"not a valid zstandard stream ({exc})") from None
+
+
+def _check_header(raw: bytes, start: int, *, where: str, transform: str, dtype: str, key_shape, value_shape, decoded_bytes: int) -> None:
+    def bad(what: str) -> CacheCorruptError:
+        return CacheCorruptError(f"{where}: {what}")
+
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise bad("safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise bad("safetensors header is not an object")
+    expected = {"keys": tuple(key_shape), "values": tuple(value_shape)}
+    if set(header) - {"__metadata__"} != set(expected):
+        raise bad(f"holds tensors {sorted(header)[:8]}, expected keys and values")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or meta.get("transform", "none") != transform:
+        raise bad("transform in shard does not match the manifest")
+    if meta.get("dtype", dtype) != dtype:
+        raise bad("dtype in shard does not match the manifest")
+    item = mf.DTYPE_SIZES[dtype]
+    end_prev = 0
+    for name, shape in expected.items():
+        entry = header[name]
+        numel = 1
+        for s in shape:
+            numel *= s
+        want = ("U8", [item, numel]) if transform == "byteplane" else (_ST_DTYPES[dtype], list(shape))
+        if not isinstance(entry, dict) or (entry.get("dtype"), entry.get("shape")) != want:
+            raise bad(f"{name} has dtype/shape {repr(entry)[:200]}, expected {want}")
+        offsets = entry.get("data_offsets")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise bad(f"{name} data offsets are malformed")
+        begin, end = offsets
+        if begin != end_prev or end != begin + numel * item:
+            raise bad(f"{name} data offsets are inconsistent")
+        end_prev = end
+    if start + end_prev != decoded_bytes:
+        raise bad("trailing bytes after the tensors" if start + end_prev < decoded_bytes
+                  else f"tensors run past the {decoded_bytes} bytes the manifest gives")
 
 
 def is_cache(path: Path) -> bool:
