@@ -1,0 +1,293 @@
+"""kvcli bench: what the cache buys, measured in one process and one run.
+
+For each document length it times, on the same framed token ids:
+- a plain transformers prefill (one forward over the whole document, and chunk by chunk),
+- kvcli's prefill (compute plus compress and write),
+- a restore (read, verify, decompress, build the cache object) and the naive alternative
+  (torch.save of the per-layer tensors, torch.load back),
+- time to first answer token for questions with the cache (a fresh Session per question, so the
+  restore is included) and without it (generate() recomputing the full prompt),
+and reports sizes (raw tensor bytes, on disk, naive) and the ratios between all of these.
+
+Timings on a shared machine are noisy: compare the ratios measured within one run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import __version__, framing as fr, layers, prefill as pf, restore, store
+from .documents import Document
+from .errors import UsageError
+from .models import LoadedModel
+
+DEFAULT_SIZES = (1024, 2048, 4096, 8192)
+RESTORE_REPEATS = 3
+QUESTIONS = (
+    "What is this document about, in one sentence?",
+    "Who or what does the document name first?",
+    "What does the document require, if anything?",
+    "Does the document give any warranty or guarantee?",
+    "What happens at the end of the document?",
+)
+Progress = Callable[[str], None]
+
+
+def default_sizes(lm: LoadedModel) -> list[int]:
+    """1k, 2k, 4k, 8k tokens, capped by the model's limit (minus room for a question and answer)."""
+    limit = lm.max_positions
+    if not limit:
+        return list(DEFAULT_SIZES)
+    top = limit - pf.ANSWER_ROOM
+    sizes = [n for n in DEFAULT_SIZES if n <= top]
+    if top < DEFAULT_SIZES[-1] and (not sizes or top > sizes[-1]):
+        sizes.append(top)
+    return sizes
+
+
+def run(
+    lm: LoadedModel,
+    document: Document,
+    tokens: list[int] | None = None,
+    questions: int = 3,
+    progress: Progress | None = None,
+    *,
+    chunk_size: int = pf.DEFAULT_CHUNK,
+    transform: str = pf.DEFAULT_TRANSFORM,
+    level: int = pf.DEFAULT_LEVEL,
+    workdir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Measure every length in `tokens` (default: default_sizes); a JSON-able dict of seconds, bytes and ratios."""
+    import torch
+
+    note = progress or (lambda _msg: None)
+    sizes = sorted(set(tokens)) if tokens else default_sizes(lm)
+    limit = lm.max_positions
+    for n in sizes:
+        if n < 16:
+            raise UsageError(f"--tokens {n}: too short to measure (16 tokens at least)")
+        if limit and n + pf.ANSWER_ROOM > limit:
+            raise UsageError(f"--tokens {n}: with {pf.ANSWER_ROOM} tokens for a question and answer it exceeds "
+                             f"the model's limit of {limit} positions")
+    if questions < 1:
+        raise UsageError("--questions must be at least 1")
+    qs = [QUESTIONS[i % len(QUESTIONS)] for i in range(questions)]
+    frame = fr.choose(lm.tokenizer, "auto", None)
+    result: dict[str, Any] = {
+        "kvcli_version": __version__,
+        "model": lm.source.get("name") or lm.fingerprint.get("name"),
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "device": str(lm.device),
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "chunk_size": chunk_size,
+        "transform": transform,
+        "level": level,
+        "document": document.record(),
+        "questions": qs,
+        "sizes": [],
+    }
+    _warm_up(lm)
+    with tempfile.TemporaryDirectory(prefix="kvcli-bench-", dir=workdir) as tmp:
+        for n in sizes:
+            doc = _document_of(lm, frame, document, n)
+            note(f"bench: {n:,} tokens")
+            row = _measure(lm, doc, frame, Path(tmp) / f"doc-{n}.kv", qs, chunk_size, transform, level, note)
+            result["sizes"].append(row)
+    return result
+
+
+# ---------------------------------------------------------------- one length
+
+
+def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note) -> dict[str, Any]:
+    import torch
+    from transformers import DynamicCache
+
+    model = lm.model
+    ids = pf.document_token_ids(lm, doc, frame)
+    row: dict[str, Any] = {"tokens": len(ids), "load_average_start": _loadavg()}
+    x = torch.tensor([ids], device=lm.device)
+
+    note("  plain transformers prefill, one forward")
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model(input_ids=x, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+        row["plain_prefill_s"] = time.perf_counter() - t0
+
+    note(f"  plain transformers prefill, chunks of {chunk_size}")
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        cache = DynamicCache(config=model.config)
+        for start in range(0, len(ids), chunk_size):
+            model(input_ids=x[:, start : start + chunk_size], cache=cache, use_cache=True, logits_to_keep=1)
+        row["plain_chunked_prefill_s"] = time.perf_counter() - t0
+        del cache
+
+    note("  kvcli prefill (compute, compress, write)")
+    res = pf.prefill(lm, doc, path, chunk_size=chunk_size, transform=transform, level=level, force=True)
+    m = res.manifest
+    row.update(kvcli_prefill_compute_s=res.compute_s, kvcli_prefill_write_s=res.write_s,
+               kvcli_prefill_s=res.compute_s + res.write_s)
+    shards = sum(layer.stored_bytes for layer in m.layers)
+    row.update(bytes_raw=m.bytes_raw, bytes_shards=shards, bytes_on_disk=sum(f.stat().st_size for f in path.iterdir()))
+
+    note(f"  restore x{RESTORE_REPEATS} (read, verify, decompress, build the cache)")
+    times = []
+    for _ in range(RESTORE_REPEATS):
+        t0 = time.perf_counter()
+        with store.open_cache(path) as opened:
+            states = restore.load_states(opened, device=lm.device, dtype=lm.dtype)
+        restore.new_cache(lm, states)
+        times.append(time.perf_counter() - t0)
+    row["restore_s"] = statistics.median(times)
+    row["restore_all_s"] = times
+
+    note("  naive: torch.save of the layer tensors, torch.load back")
+    naive = path.with_suffix(".pt")
+    tensors = [(s.keys.contiguous(), s.values.contiguous()) for s in states]  # views would save their whole buffer
+    del states
+    t0 = time.perf_counter()
+    torch.save(tensors, naive)
+    _fsync(naive)
+    row["naive_save_s"] = time.perf_counter() - t0
+    row["naive_bytes"] = naive.stat().st_size
+    del tensors
+    times = []
+    for _ in range(RESTORE_REPEATS):
+        t0 = time.perf_counter()
+        loaded = torch.load(naive, map_location=lm.device)
+        kinds = [(e.kind, e.seq_length, e.sliding_window) for e in m.layers]
+        restore.new_cache(lm, [layers.LayerState(kind, k, v, seq, win) for (k, v), (kind, seq, win) in zip(loaded, kinds)])
+        times.append(time.perf_counter() - t0)
+        del loaded
+    row["naive_restore_s"] = statistics.median(times)
+    naive.unlink()
+
+    note(f"  time to first token for {len(qs)} question(s), with the cache (restore included) and recomputed")
+    cached, recomputed, same = [], [], []
+    from . import answer
+
+    for q in qs:
+        session = answer.Session(lm, path)
+        a = session.ask(q, answer.GenerationOptions(max_new_tokens=1))
+        cached.append(a.ttft_s)
+        prompt = torch.tensor([a.prompt_token_ids], device=lm.device)
+        kwargs = {}
+        if model.generation_config.pad_token_id is None and lm.tokenizer.pad_token_id is None:
+            kwargs["pad_token_id"] = lm.tokenizer.eos_token_id
+        del session
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=False, **kwargs)
+            recomputed.append(time.perf_counter() - t0)
+        same.append(out[0, prompt.shape[1] :].tolist() == a.answer_token_ids)
+    row.update(ttft_cached_s=statistics.median(cached), ttft_recompute_s=statistics.median(recomputed),
+               ttft_cached_all_s=cached, ttft_recompute_all_s=recomputed, first_tokens_match=all(same))
+    row["load_average_end"] = _loadavg()
+    row["ratios"] = _ratios(row)
+    return row
+
+
+def _ratios(r: dict[str, Any]) -> dict[str, float]:
+    def div(a, b):
+        return a / b if b else float("nan")
+
+    return {
+        "ttft_recompute_over_cached": div(r["ttft_recompute_s"], r["ttft_cached_s"]),
+        "raw_over_disk": div(r["bytes_raw"], r["bytes_on_disk"]),
+        "disk_over_raw": div(r["bytes_on_disk"], r["bytes_raw"]),
+        "naive_over_kvcli_bytes": div(r["naive_bytes"], r["bytes_on_disk"]),
+        "naive_over_kvcli_restore_s": div(r["naive_restore_s"], r["restore_s"]),
+        "restore_gb_per_s": div(r["bytes_raw"], r["restore_s"]) / 1e9,
+        "kvcli_prefill_over_plain": div(r["kvcli_prefill_s"], r["plain_prefill_s"]),
+        "plain_chunked_over_plain": div(r["plain_chunked_prefill_s"], r["plain_prefill_s"]),
+    }
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _warm_up(lm: LoadedModel) -> None:
+    """One tiny forward and generate, so no measurement pays for first-call initialisation."""
+    import torch
+
+    ids = torch.tensor([[lm.tokenizer.eos_token_id or 0] * 4], device=lm.device)
+    with torch.inference_mode():
+        lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+
+
+def _document_of(lm: LoadedModel, frame: fr.Framing, document: Document, n: int) -> Document:
+    """The document repeated and then cut so that its framed ids are as close to n as possible (not over)."""
+    text = document.text.strip()
+    while len(fr.document_ids(lm.tokenizer, frame, text)) < n:
+        text = text + "\n\n" + document.text.strip()
+    lo, hi = 1, len(text)  # largest prefix whose framed ids fit in n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(fr.document_ids(lm.tokenizer, frame, text[:mid])) <= n:
+            lo = mid
+        else:
+            hi = mid - 1
+    cut = text[:lo]
+    name = f"{Path(document.name).stem}-{n}"
+    return Document(name=name, text=cut, sha256=hashlib.sha256(cut.encode()).hexdigest())
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def render(result: dict[str, Any]):
+    """The measurements and ratios as a rich Table: one row per quantity, one column per document length."""
+    from rich.table import Table
+
+    sizes = result["sizes"]
+    title = (f"kvcli bench: {result['model']} ({result['dtype']}, {result['device']}, "
+             f"{result['torch_threads']} torch threads, chunks of {result['chunk_size']})")
+    table = Table(title=title, caption="Cached TTFT includes the restore. Naive: torch.save / torch.load of the same tensors.")
+    table.add_column("tokens")
+    for r in sizes:
+        table.add_column(f"{r['tokens']:,}", justify="right")
+    rows = [
+        ("TTFT, recompute", lambda r, q: f"{r['ttft_recompute_s']:.2f} s"),
+        ("TTFT, with cache", lambda r, q: f"{r['ttft_cached_s']:.3f} s"),
+        ("  recompute / cached", lambda r, q: f"{q['ttft_recompute_over_cached']:.1f}x"),
+        ("  same first token", lambda r, q: "yes" if r["first_tokens_match"] else "NO"),
+        ("restore", lambda r, q: f"{r['restore_s']:.3f} s"),
+        ("  GB/s of raw bytes", lambda r, q: f"{q['restore_gb_per_s']:.2f}"),
+        ("raw / on disk", lambda r, q: f"{_mb(r['bytes_raw'])} / {_mb(r['bytes_on_disk'])}"),
+        ("  raw / disk", lambda r, q: f"{q['raw_over_disk']:.2f}x ({q['disk_over_raw']:.0%})"),
+        ("naive / kvcli size", lambda r, q: f"{q['naive_over_kvcli_bytes']:.2f}x"),
+        ("naive / kvcli restore time", lambda r, q: f"{q['naive_over_kvcli_restore_s']:.2f}x"),
+        ("prefill: one forward", lambda r, q: f"{r['plain_prefill_s']:.2f} s"),
+        ("  chunked / one forward", lambda r, q: f"{q['plain_chunked_over_plain']:.2f}x"),
+        ("  kvcli / one forward", lambda r, q: f"{q['kvcli_prefill_over_plain']:.2f}x"),
+    ]
+    for label, cell in rows:
+        table.add_row(label, *(cell(r, r["ratios"]) for r in sizes))
+    return table
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"

@@ -1,0 +1,45 @@
+"""kvcli bench on a tiny model: the result has every measurement and ratio, and renders."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from kvcli import bench
+from kvcli.documents import decode
+from tests.conftest import sample_text
+
+
+def test_bench_run_smoke(tiny_lm, tmp_path):
+    doc = decode(sample_text()[:800].encode(), "doc.txt")
+    seen: list[str] = []
+    result = bench.run(tiny_lm, doc, tokens=[96, 48], questions=2, progress=seen.append, chunk_size=32, workdir=tmp_path)
+    json.dumps(result)  # JSON-able as it is
+    assert [r["tokens"] for r in result["sizes"]] == [48, 96]  # sorted; framed ids cut to the length asked
+    assert result["questions"] and len(result["questions"]) == 2 and seen
+    for r in result["sizes"]:
+        for key in ("plain_prefill_s", "plain_chunked_prefill_s", "kvcli_prefill_s", "restore_s", "naive_restore_s",
+                    "ttft_cached_s", "ttft_recompute_s"):
+            assert r[key] > 0, key
+        assert len(r["ttft_cached_all_s"]) == 2 and r["first_tokens_match"] is True
+        assert 0 < r["bytes_shards"] < r["bytes_on_disk"] and r["bytes_raw"] > 0 and r["naive_bytes"] > 0
+        for value in r["ratios"].values():
+            assert isinstance(value, float) and not math.isnan(value)
+    assert list(tmp_path.iterdir()) == []  # caches and naive files cleaned up
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(bench.render(result))
+    text = console.export_text()
+    assert "recompute / cached" in text and "naive / kvcli size" in text
+
+
+def test_default_sizes_stop_at_the_model_limit(tiny_lm):
+    class Capped:
+        max_positions = 8192
+
+    assert bench.default_sizes(Capped()) == [1024, 2048, 4096, 8192 - bench.pf.ANSWER_ROOM]
+    Capped.max_positions = 2048
+    assert bench.default_sizes(Capped()) == [1024, 2048 - bench.pf.ANSWER_ROOM]
+    Capped.max_positions = None
+    assert bench.default_sizes(Capped()) == [1024, 2048, 4096, 8192]
