@@ -25,7 +25,7 @@ from kvcli import store
 
 QUESTION = "Who may use the work?"
 MAX_NEW = 4
-REPEATS = 25  # caches each swapping-ask process loads one after the other (the same path, -c repeated)
+REPEATS = 15  # caches each swapping-ask process loads one after the other (the same path, -c repeated)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_concurrent_asks_agree_and_a_replacing_prefill_never_mixes(world, tmp_pa
     thread.start()
     try:
         same = [subprocess.Popen(kvcli_cmd("ask", "--model", w["model"], "-c", stable, QUESTION, "--max-new-tokens", MAX_NEW),
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
         cache_args = [arg for _ in range(REPEATS) for arg in ("-c", swapping)]
         mixed = [subprocess.Popen(kvcli_cmd("ask", "--model", w["model"], *cache_args, QUESTION, "--max-new-tokens", MAX_NEW, "--json"),
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
