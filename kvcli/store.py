@@ -433,7 +433,7 @@ def atomic_cache_dir(target: str | os.PathLike, *, force: bool) -> Iterator[Path
         raise KvcliError(f"{target}: exists and is not a cache directory; refusing to replace it")
     parent = target.parent
     if not parent.is_dir():
-        raise KvcliError(f"{parent}: output folder does not exist")
+        raise KvcliError(f"{parent}: output folder {'is not a folder' if parent.exists() else 'does not exist'}")
     clean_stale(target)
     tmp = parent / f".{target.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
