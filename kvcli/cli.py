@@ -97,20 +97,30 @@ def prefill(
 
     out = Output(quiet=quiet)
     targets = _prefill_targets(docs, output)
-    with out.status("loading model"):
-        lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     failed: list[KvcliError] = []
-    for n, (doc, target) in enumerate(targets, 1):
-        overall = (n, len(targets)) if len(targets) > 1 else None
+
+    def report(exc: KvcliError) -> None:
+        if len(targets) == 1:
+            raise exc
+        out.error(exc, exc.hint)
+        failed.append(exc)
+
+    ready = []
+    for doc, target in targets:  # read every document first: a bad one fails before the model loads
         try:
-            document = documents.read(doc, encoding)
+            ready.append((doc, documents.read(doc, encoding), target))
+        except KvcliError as exc:
+            report(exc)
+    if ready:
+        with out.status("loading model"):
+            lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
+    for n, (doc, document, target) in enumerate(ready, 1):
+        overall = (n, len(ready)) if len(targets) > 1 else None
+        try:
             with out.progress(f"prefill {doc}", overall=overall) as update:
                 r = pf.prefill(lm, document, target, system=system, framing=framing, chunk_size=chunk_size, force=force, progress=update)
-        except (KvcliError, CacheError) as exc:
-            if len(targets) == 1:
-                raise
-            out.error(exc, exc.hint)
-            failed.append(exc)
+        except KvcliError as exc:
+            report(exc)
             continue
         m = r.manifest
         if json_out:
@@ -169,6 +179,8 @@ def ask(
         raise UsageError("--cache is required")
     qs = _gather_questions(questions or [], questions_file)
     opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop))
+    if trust_remote_code and not model:
+        raise UsageError("--trust-remote-code needs an explicit --model: a cache must not choose whose code runs")
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     first_error: Optional[KvcliError] = None
     for path in cache:
@@ -217,6 +229,7 @@ def info(
 ) -> int:
     """Show a cache's manifest: model, document, tokens, layers and sizes."""
     from rich.table import Table
+    from rich.text import Text
 
     from . import catalog, store
 
@@ -228,9 +241,9 @@ def info(
         return 0
     head = Table.grid(padding=(0, 2))
     for key in ("path", "model", "model_type", "num_tokens", "dtype", "num_layers", "created"):
-        head.add_row(key, str(s[key]))
-    head.add_row("document", f"{m.document.get('name')} ({m.document.get('chars'):,} chars)")
-    head.add_row("framing", f"{m.framing.get('kind')}" + (f", system: {m.framing['system']!r}" if m.framing.get("system") else ""))
+        head.add_row(key, Text(str(s[key])))
+    head.add_row("document", Text(f"{m.document.get('name')} ({m.document.get('chars'):,} chars)"))
+    head.add_row("framing", Text(f"{m.framing.get('kind')}" + (f", system: {m.framing['system']!r}" if m.framing.get("system") else "")))
     head.add_row("size", f"{human_bytes(s['bytes_on_disk'])} on disk, {human_bytes(s['bytes_raw'])} raw ({s['ratio']:.1%})")
     out.table(head)
     table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")
@@ -273,6 +286,7 @@ def ls(
 ) -> int:
     """List the caches in a folder: tokens, model, size, ratio and age."""
     from rich.table import Table
+    from rich.text import Text
 
     from . import catalog
 
@@ -283,12 +297,12 @@ def ls(
     if json_out:
         out.json_doc(rows)
         return 0
-    table = Table("cache", "tokens", "model", "on disk", "ratio", "age", title=str(folder))
+    table = Table("cache", "tokens", "model", "on disk", "ratio", "age", title=Text(str(folder)))
     for r in rows:
         if "error" in r:
-            table.add_row(Path(r["path"]).name, "-", f"[red]{r['error']}[/red]", "-", "-", "-")
+            table.add_row(Text(Path(r["path"]).name), "-", Text(r["error"], style="red"), "-", "-", "-")
             continue
-        table.add_row(Path(r["path"]).name, f"{r['num_tokens']:,}", str(r["model"]), human_bytes(r["bytes_on_disk"]), f"{r['ratio']:.1%}", _age(r["age_s"]))
+        table.add_row(Text(Path(r["path"]).name), f"{r['num_tokens']:,}", Text(str(r["model"])), human_bytes(r["bytes_on_disk"]), f"{r['ratio']:.1%}", _age(r["age_s"]))
     out.table(table)
     return 0
 

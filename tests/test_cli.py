@@ -234,3 +234,16 @@ def test_info_json(cache_dir):
 def test_usage_error_exit_2(cache_dir):
     assert run("ask", "--cache", cache_dir, "--max-new-tokens", "lots", "Q?").exit_code == 2
     assert run("frobnicate").exit_code == 2
+
+
+def test_trust_remote_code_needs_explicit_model(cache_dir):
+    assert_clean_error(run("ask", "-c", cache_dir, "--trust-remote-code", "Q?"), 2, "--model")
+
+
+def test_cache_strings_are_not_rich_markup(cache_dir, tmp_path):
+    path = _copy(cache_dir, tmp_path)
+    _rewrite_manifest(path, lambda b: b["document"].update(name="[/bold]evil[red]"))
+    for args in (("info", path), ("ls", tmp_path)):
+        result = run(*args)
+        assert result.exit_code == 0, result.stderr
+    assert "[/bold]evil[red]" in run("info", path).stdout
