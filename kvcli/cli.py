@@ -83,7 +83,7 @@ def prefill(
     revision: RevisionOpt = None,
     system: Annotated[Optional[str], typer.Option(help="System text placed before the document.")] = None,
     framing: Annotated[str, typer.Option(help="auto (chat template if the model has one), chat or plain.")] = "auto",
-    chunk_size: Annotated[int, typer.Option(help="Tokens per forward pass.")] = 512,
+    chunk_size: Annotated[int, typer.Option(help="Tokens per forward pass.")] = 1024,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16 (auto: float32 on CPU).")] = "auto",
     device: DeviceOpt = "auto",
     encoding: Annotated[str, typer.Option(help="Text encoding of the documents.")] = "utf-8",

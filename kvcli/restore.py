@@ -77,6 +77,8 @@ def load_states(
         extra = max(0, ROOM_TOKENS if room is None else room) if entry.kind == "full" else 0
         keys = _roomy_empty(entry.key_shape, extra, target, device)
         values = _roomy_empty(entry.value_shape, extra, target, device)
+        if extra:
+            keys._kvcli_room_owner = None  # new_cache may lend the room after these tokens to one cache at a time
         if direct:
             _decode_shard(cache, i, stored, (keys, values))
         else:  # another dtype or device: decode on the CPU, then convert into place
@@ -178,9 +180,11 @@ def new_cache(lm: LoadedModel, states: list[layers.LayerState]):
     owner = weakref.ref(cache)
     with _claim_lock:
         for layer, state in zip(cache.layers, states):
-            if type(layer) is not DynamicLayer or not (_room(state.keys) and _room(state.values)):
+            if type(layer) is not DynamicLayer or not hasattr(state.keys, "_kvcli_room_owner"):
+                continue  # only load_states' buffers: other tensors' spare memory may belong to a live cache
+            if not (_room(state.keys) and _room(state.values)):
                 continue
-            held = getattr(state.keys, "_kvcli_room_owner", None)
+            held = state.keys._kvcli_room_owner
             if held is not None and held() is not None:
                 continue
             state.keys._kvcli_room_owner = owner
