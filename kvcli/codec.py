@@ -2,7 +2,13 @@
 
 Byte planes: a float tensor's bytes are regrouped so that byte k of every element comes together
 ([numel, itemsize] -> [itemsize, numel]). Exponent bytes then sit side by side and zstd finds far more
-to compress than in interleaved floats. The transform is recorded per cache ("none" or "byteplane").
+to compress than in interleaved floats. The transform is recorded per cache ("none" or "byteplane");
+caches written before transforms existed have no transform key anywhere and read as "none".
+
+Decoding streams each shard once: the header is read and checked first, then every tensor is
+decompressed straight into its final memory ("none"), or a slice of one byte plane at a time into a
+small scratch that is scattered into byte k of each element ("byteplane"). zstandard, numpy copies and
+hashing release the GIL, so layers decode in parallel threads.
 """
 
 from __future__ import annotations
