@@ -31,7 +31,7 @@ def test_bench_run_smoke(tiny_lm, tmp_path):
     console = Console(record=True, width=200)
     console.print(bench.render(result))
     text = console.export_text()
-    assert "recompute / cached" in text and "naive / kvcli size" in text
+    assert "speedup" in text and "naive restore" in text and "48" in text
 
 
 def test_default_sizes_stop_at_the_model_limit(tiny_lm):
