@@ -57,7 +57,6 @@ def read(path: str | Path, encoding: str = "utf-8") -> Document:
     """Read a document from a file, or from stdin when path is '-'."""
     if str(path) == "-":
         data = sys.stdin.buffer.read(MAX_DOCUMENT_BYTES + 1)
-        name = "-"
     else:
         p = Path(path)
         try:
@@ -69,7 +68,6 @@ def read(path: str | Path, encoding: str = "utf-8") -> Document:
             raise DocumentError(f"{p}: no such file") from None
         except PermissionError:
             raise DocumentError(f"{p}: permission denied") from None
-        name = p.name
     if len(data) > MAX_DOCUMENT_BYTES:
         raise DocumentError(f"{path}: larger than {MAX_DOCUMENT_BYTES // (1024 * 1024)} MiB")
     return decode(data, str(path), encoding)

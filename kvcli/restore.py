@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import weakref
@@ -12,7 +11,7 @@ from typing import Any
 
 from . import layers, manifest as mf
 from .codec import DTYPES, decode_layer
-from .errors import CacheCorruptError, CacheMismatchError
+from .errors import CacheMismatchError
 from .framing import FRAMING_VERSION
 from .models import LoadedModel
 from .store import OpenedCache
@@ -40,6 +39,9 @@ def check_fits(manifest: mf.Manifest, lm: LoadedModel, where: str, *, convert_dt
         diffs.append("prompt framing version")
     if have.get("dtype") != want.get("dtype") and not convert_dtype:
         diffs.append(f"dtype (cache {want.get('dtype')}, model {have.get('dtype')}; --convert-dtype allows it)")
+    limit = have.get("max_positions")
+    if limit and manifest.num_tokens >= limit:
+        diffs.append(f"length ({manifest.num_tokens} cached tokens, the model takes {limit} positions)")
     if diffs:
         name = want.get("source", {}).get("name", want.get("name"))
         raise CacheMismatchError(f"{where}: built for another model ({name}): differs in {', '.join(diffs)}")
@@ -102,61 +104,24 @@ def _roomy_empty(shape: tuple[int, ...], extra: int, dtype: Any, device: Any):
     return torch.empty((b, h, n + extra, d), dtype=dtype, device=device)[:, :, :n]
 
 
-class _HashingReader:
-    """A shard file read sequentially, once, by the decompressor: every chunk is hashed as it passes."""
-
-    def __init__(self, fd: int, size: int):
-        self.fd, self.size, self.pos = fd, size, 0
-        self.sha = hashlib.sha256()
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.size + 1 - self.pos if n is None or n < 0 else min(n, self.size + 1 - self.pos)
-        data = os.pread(self.fd, n, self.pos) if n > 0 else b""
-        self.pos += len(data)
-        self.sha.update(data)
-        return data
-
-    def drain(self) -> None:
-        while self.read(1 << 20):
-            pass
-
-
 def _decode_shard(cache: OpenedCache, i: int, stored: Any, out):
-    """Decode layer i (into `out` if given), verifying the shard's size and sha256 in the same single pass.
+    """Decode layer i (into `out` if given) after checking the shard's size and sha256.
 
-    The bytes are checked against the manifest's checksum before anything decoded is returned; a shard
-    that fails both decoding and its checksum is reported as damaged (the checksum is the better clue).
+    The shard is read in one call and hashed before a single byte reaches the decompressor, so damaged
+    or swapped bytes are reported as such and never decoded.
     """
     entry = cache.manifest.layers[i]
-    where = str(cache.path / entry.file)
-    fd = cache.shards[i]
-    on_disk = os.fstat(fd).st_size
-    if on_disk != entry.stored_bytes:
-        raise CacheCorruptError(f"{where}: {on_disk} bytes on disk, manifest says {entry.stored_bytes} (truncated or extended)")
-    src = _HashingReader(fd, entry.stored_bytes)
-    damaged = CacheCorruptError(f"{where}: checksum mismatch (the shard is damaged)")
-    try:
-        tensors = decode_layer(
-            src,
-            name=where,
-            transform=cache.manifest.transform,
-            dtype=stored,
-            key_shape=entry.key_shape,
-            value_shape=entry.value_shape,
-            decoded_bytes=entry.decoded_bytes,
-            out=out,
-        )
-    except CacheCorruptError:
-        src.drain()
-        if src.pos != entry.stored_bytes or src.sha.hexdigest() != entry.sha256:
-            raise damaged from None
-        raise
-    src.drain()
-    if src.pos != entry.stored_bytes:
-        raise CacheCorruptError(f"{where}: {src.pos} bytes on disk, manifest says {entry.stored_bytes} (truncated or extended)")
-    if src.sha.hexdigest() != entry.sha256:
-        raise damaged
-    return tensors
+    data = cache.read_shard(i)  # size and sha256 checked against the manifest
+    return decode_layer(
+        data,
+        name=str(cache.path / entry.file),
+        transform=cache.manifest.transform,
+        dtype=stored,
+        key_shape=entry.key_shape,
+        value_shape=entry.value_shape,
+        decoded_bytes=entry.decoded_bytes,
+        out=out,
+    )
 
 
 # ---------------------------------------------------------------- cache objects with room to grow
