@@ -16,19 +16,17 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import numpy as np
 import torch
 import zstandard
 
+from . import payload
 from .errors import CacheCorruptError
 
 TRANSFORMS = ("none", "byteplane")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
-MAX_HEADER = 64 * 1024  # a shard's safetensors header is a few hundred bytes; anything bigger is hostile
-_FRAME_HEADER_MAX = 18  # ZSTD_FRAMEHEADERSIZE_MAX: enough to read the declared content size
 CHUNK_ELEMS = 1 << 18  # elements decompressed per step when undoing byte planes: the scratch stays in L2 cache
 
 
@@ -119,33 +117,17 @@ class _Exact:
             raise CacheCorruptError(f"{self.name}: decompresses to more bytes, manifest says {self.size}")
 
 
-def _check_declared_size(data: bytes | memoryview, size: int, name: str) -> None:
-    """A zstd frame that declares a content size other than the manifest's is refused unread (zip-bomb guard)."""
-    try:
-        declared = zstandard.frame_content_size(data)
-    except zstandard.ZstdError:
-        raise CacheCorruptError(f"{name}: not a zstandard frame") from None
-    if declared >= 0 and declared != size:
-        raise CacheCorruptError(f"{name}: declares {declared} decompressed bytes, manifest says {size}")
-
-
-def _read_header(src: _Exact, name: str) -> tuple[dict, int]:
+def _read_header(src: _Exact, *, name: str, transform: str, dtype: torch.dtype, key_shape, value_shape) -> None:
+    """Read the safetensors header and check it against the manifest (payload.check_header's rules)."""
+    first = np.empty(8, dtype=np.uint8)
     if src.size < 8:
         raise CacheCorruptError(f"{name}: payload too short for a safetensors header")
-    first = np.empty(8, dtype=np.uint8)
     src.readinto(first)
-    (n,) = struct.unpack("<Q", first.tobytes())
-    if n > MAX_HEADER or 8 + n > src.size:
-        raise CacheCorruptError(f"{name}: safetensors header of {n} bytes does not fit")
+    n = payload.header_length(first.tobytes(), src.size, name)
     raw = np.empty(n, dtype=np.uint8)
     src.readinto(raw)
-    try:
-        header = json.loads(raw.tobytes())
-    except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: JSONDecodeError, huge int literals
-        raise CacheCorruptError(f"{name}: safetensors header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise CacheCorruptError(f"{name}: safetensors header is not an object")
-    return header, 8 + n
+    payload.check_header(raw.tobytes(), where=name, transform=transform, dtype=dtype_name(dtype),
+                         key_shape=key_shape, value_shape=value_shape, decoded_bytes=src.size)
 
 
 def _blocks(t: torch.Tensor) -> tuple[np.ndarray, int, int]:
@@ -192,21 +174,8 @@ def _read_planes(src: _Exact, dst: torch.Tensor) -> None:
                 block[r : r + n, :, k] = part.reshape(n, cols)
 
 
-class _Chain:
-    """The bytes already read from a file, then the rest of the file (a source for stream_reader)."""
-
-    def __init__(self, head: bytes, rest):
-        self.head, self.rest = head, rest
-
-    def read(self, n: int = -1) -> bytes:
-        if self.head:
-            out, self.head = (self.head, b"") if n < 0 or n >= len(self.head) else (self.head[:n], self.head[n:])
-            return out
-        return self.rest.read(n)
-
-
 def decode_layer(
-    data: bytes | memoryview | BinaryIO,
+    data: bytes | memoryview,
     *,
     name: str,
     transform: str,
@@ -218,19 +187,12 @@ def decode_layer(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of encode_layer, checking every name, dtype, shape and offset against what is expected.
 
-    `data` is the stored bytes, or a binary file object read sequentially from its current position.
-    The payload is streamed: its header is read and checked first, then each tensor is decompressed
+    `data` is the stored bytes (already checked against the manifest's sha256). The payload is streamed: its header is read and checked first, then each tensor is decompressed
     straight into its destination (`out`, else fresh tensors). `out` tensors must have the expected
     shapes and dtype, live on the CPU and be contiguous per [seq, head_dim] block (views of larger
     buffers with room for more tokens are fine). Nothing larger than a small scratch is allocated.
     """
-    if hasattr(data, "read"):  # a file object: peek at the frame header, then read on from there
-        head = data.read(_FRAME_HEADER_MAX)
-        _check_declared_size(head, decoded_bytes, name)  # before allocating anything
-        data = _Chain(head, data)
-    else:
-        _check_declared_size(data, decoded_bytes, name)
-    item = torch.empty((), dtype=dtype).element_size()
+    payload.check_declared_size(data, decoded_bytes, name)  # before allocating anything
     expected = {"keys": tuple(key_shape), "values": tuple(value_shape)}
     if out is None:
         out = (torch.empty(expected["keys"], dtype=dtype), torch.empty(expected["values"], dtype=dtype))
@@ -240,36 +202,7 @@ def decode_layer(
     try:
         with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as reader:
             src = _Exact(reader, decoded_bytes, name)
-            header, start = _read_header(src, name)
-            if set(header) - {"__metadata__"} != set(expected):
-                raise CacheCorruptError(f"{name}: holds tensors {sorted(header)}, expected keys and values")
-            meta = header.get("__metadata__") or {}
-            if not isinstance(meta, dict) or meta.get("transform", "none") != transform:
-                raise CacheCorruptError(f"{name}: transform in shard does not match the manifest")
-            if meta.get("dtype", dtype_name(dtype)) != dtype_name(dtype):  # byte planes are U8: only this tells bf16 from f16
-                raise CacheCorruptError(f"{name}: dtype in shard does not match the manifest")
-            end_prev = 0
-            for tname in ("keys", "values"):
-                entry, shape = header[tname], expected[tname]
-                numel = 1
-                for s in shape:
-                    numel *= s
-                if transform == "byteplane":
-                    want = ("U8", [item, numel])
-                else:
-                    want = (_ST_DTYPE[dtype], list(shape))
-                if not isinstance(entry, dict) or (entry.get("dtype"), entry.get("shape")) != want:
-                    raise CacheCorruptError(f"{name}: {tname} has dtype/shape {repr(entry)[:200]}, expected {want}")
-                offsets = entry.get("data_offsets")
-                if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-                    raise CacheCorruptError(f"{name}: {tname} data offsets are malformed")
-                begin, end = offsets
-                if begin != end_prev or end != begin + numel * item:
-                    raise CacheCorruptError(f"{name}: {tname} data offsets are inconsistent")
-                end_prev = end
-            if start + end_prev != decoded_bytes:
-                raise CacheCorruptError(f"{name}: trailing bytes after the tensors" if start + end_prev < decoded_bytes
-                                        else f"{name}: tensors run past the {decoded_bytes} bytes the manifest gives")
+            _read_header(src, name=name, transform=transform, dtype=dtype, key_shape=expected["keys"], value_shape=expected["values"])
             for t in out:  # in payload order: keys, then values
                 if transform == "byteplane":
                     _read_planes(src, t)

@@ -15,19 +15,17 @@ import ctypes
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import signal
 import stat
-import struct
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import manifest as mf
+from . import manifest as mf, payload
 from .errors import CacheCorruptError, CacheExistsError, CacheMissingError, KvcliError
 
 TMP_MARK = ".kvtmp-"
@@ -200,8 +198,6 @@ def verify(path: str | os.PathLike, *, decode: bool = True) -> mf.Manifest:
         return m
 
 
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-_MAX_HEADER = 64 * 1024
 _CHUNK = 1 << 20
 
 
@@ -218,12 +214,7 @@ def check_payload(data: bytes, *, where: str, transform: str, dtype: str, key_sh
     def bad(what: str) -> CacheCorruptError:
         return CacheCorruptError(f"{where}: {what}")
 
-    try:
-        declared = zstandard.frame_content_size(data)
-    except zstandard.ZstdError:
-        raise bad("not a zstandard frame") from None
-    if declared >= 0 and declared != decoded_bytes:
-        raise bad(f"declares {declared} decompressed bytes, manifest says {decoded_bytes}")
+    payload.check_declared_size(data, decoded_bytes, where)
     try:
         with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as reader:
 
@@ -237,17 +228,12 @@ def check_payload(data: bytes, *, where: str, transform: str, dtype: str, key_sh
                     got += len(part)
                 return b"".join(parts)
 
-            first = take(8)
-            if len(first) < 8:
-                raise bad(f"decompresses to {len(first)} bytes, manifest says {decoded_bytes}")
-            (n,) = struct.unpack("<Q", first)
-            if n > _MAX_HEADER or 8 + n > decoded_bytes:
-                raise bad(f"safetensors header of {n} bytes does not fit")
+            n = payload.header_length(take(8), decoded_bytes, where)
             raw = take(n)
             if len(raw) < n:
                 raise bad(f"decompresses to {8 + len(raw)} bytes, manifest says {decoded_bytes}")
-            _check_header(raw, 8 + n, where=where, transform=transform, dtype=dtype, key_shape=key_shape,
-                          value_shape=value_shape, decoded_bytes=decoded_bytes)
+            payload.check_header(raw, where=where, transform=transform, dtype=dtype, key_shape=key_shape,
+                                 value_shape=value_shape, decoded_bytes=decoded_bytes)
             got = 8 + n
             while True:  # the tensors: counted, not kept
                 part = reader.read(min(_CHUNK, decoded_bytes + 1 - got))
@@ -260,46 +246,6 @@ def check_payload(data: bytes, *, where: str, transform: str, dtype: str, key_sh
                 raise bad(f"decompresses to {got} bytes, manifest says {decoded_bytes}")
     except zstandard.ZstdError as exc:
         raise bad(f"not a valid zstandard stream ({exc})") from None
-
-
-def _check_header(raw: bytes, start: int, *, where: str, transform: str, dtype: str, key_shape, value_shape, decoded_bytes: int) -> None:
-    def bad(what: str) -> CacheCorruptError:
-        return CacheCorruptError(f"{where}: {what}")
-
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise bad("safetensors header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise bad("safetensors header is not an object")
-    expected = {"keys": tuple(key_shape), "values": tuple(value_shape)}
-    if set(header) - {"__metadata__"} != set(expected):
-        raise bad(f"holds tensors {sorted(header)[:8]}, expected keys and values")
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict) or meta.get("transform", "none") != transform:
-        raise bad("transform in shard does not match the manifest")
-    if meta.get("dtype", dtype) != dtype:
-        raise bad("dtype in shard does not match the manifest")
-    item = mf.DTYPE_SIZES[dtype]
-    end_prev = 0
-    for name, shape in expected.items():
-        entry = header[name]
-        numel = 1
-        for s in shape:
-            numel *= s
-        want = ("U8", [item, numel]) if transform == "byteplane" else (_ST_DTYPES[dtype], list(shape))
-        if not isinstance(entry, dict) or (entry.get("dtype"), entry.get("shape")) != want:
-            raise bad(f"{name} has dtype/shape {repr(entry)[:200]}, expected {want}")
-        offsets = entry.get("data_offsets")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise bad(f"{name} data offsets are malformed")
-        begin, end = offsets
-        if begin != end_prev or end != begin + numel * item:
-            raise bad(f"{name} data offsets are inconsistent")
-        end_prev = end
-    if start + end_prev != decoded_bytes:
-        raise bad("trailing bytes after the tensors" if start + end_prev < decoded_bytes
-                  else f"tensors run past the {decoded_bytes} bytes the manifest gives")
 
 
 def is_cache(path: Path) -> bool:

@@ -102,17 +102,6 @@ def test_decode_refuses_a_destination_of_another_shape():
         _decode(enc, keys, values, "byteplane", out=(torch.empty(1, 3, 36, 16), torch.empty(values.shape)))
 
 
-def test_decode_from_a_file_object(tmp_path):
-    keys, values = _kv(torch.bfloat16)
-    enc = codec.encode_layer(keys, values, transform="byteplane", level=1)
-    path = tmp_path / "shard"
-    path.write_bytes(enc.data)
-    with open(path, "rb") as f:
-        k, v = codec.decode_layer(f, name="shard", transform="byteplane", dtype=torch.bfloat16, key_shape=tuple(keys.shape),
-                                  value_shape=tuple(values.shape), decoded_bytes=enc.decoded_bytes)
-    assert torch.equal(_bits(k), _bits(keys)) and torch.equal(_bits(v), _bits(values))
-
-
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_wrong_sizes_and_wrong_transform_are_corruption(transform):
     keys, values = _kv(torch.float16)
