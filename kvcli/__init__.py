@@ -17,7 +17,7 @@ _LAZY = {
     "LoadedModel": ("kvcli.models", "LoadedModel"),
     "read_document": ("kvcli.documents", "read"),
     "Document": ("kvcli.documents", "Document"),
-    "prefill": ("kvcli.prefill", "prefill"),
+    "prefill": ("kvcli.prefilling", "prefill"),
     "Session": ("kvcli.answer", "Session"),
     "Answer": ("kvcli.answer", "Answer"),
     "GenerationOptions": ("kvcli.answer", "GenerationOptions"),

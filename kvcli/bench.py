@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import __version__, framing as fr, layers, prefill as pf, restore, store
+from . import __version__, framing as fr, layers, prefilling as pf, restore, store
 from .documents import Document
 from .errors import UsageError
 from .models import LoadedModel

@@ -93,7 +93,7 @@ def prefill(
     quiet: QuietOpt = False,
 ) -> int:
     """Run documents through the model once and write their key/value caches."""
-    from . import documents, models, prefill as pf
+    from . import documents, models, prefilling as pf
 
     out = Output(quiet=quiet)
     targets = _prefill_targets(docs, output)

@@ -20,7 +20,7 @@ import kvcli
 from kvcli import layers, restore
 from kvcli.documents import decode
 from kvcli.errors import CacheMismatchError, ModelError
-from kvcli.prefill import prefill  # not kvcli.prefill: after the first call that name is the submodule
+from kvcli.prefilling import prefill
 from kvcli.store import read_manifest
 from tests.conftest import TokenCounter, reference_answer, sample_text
 from tests.helpers import assert_clean_error, run

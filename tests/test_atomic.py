@@ -32,7 +32,7 @@ SEED = 4242
 def world(tmp_path_factory, tiny_model_dir):
     """Two documents, the old cache (document A) and a reference of the new one (document B), answers of both."""
     import kvcli
-    from kvcli.prefill import prefill  # not kvcli.prefill: once imported, the submodule shadows that name
+    from kvcli.prefilling import prefill
     from tests.conftest import sample_text
 
     root = tmp_path_factory.mktemp("atomic")
@@ -158,7 +158,7 @@ def outcomes(world, tmp_path_factory):
 def test_sigkill_leaves_a_complete_cache_and_a_stale_folder_that_is_ignored_then_cleaned(world, outcomes, scenario):
     from kvcli import catalog
     from kvcli.documents import read
-    from kvcli.prefill import prefill
+    from kvcli.prefilling import prefill
 
     w, r = world, outcomes[scenario]
     point, target = scenario[1], r["target"]
@@ -295,7 +295,7 @@ def test_unwritable_output_paths(world, tmp_path):
 def test_temporary_names_are_never_caches(world, tmp_path):
     from kvcli.documents import read
     from kvcli.errors import KvcliError
-    from kvcli.prefill import prefill
+    from kvcli.prefilling import prefill
 
     w = world
     fake = tmp_path / f".doc.kv{store.TMP_MARK}99999999-abcdef12"  # no such process

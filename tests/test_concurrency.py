@@ -31,7 +31,7 @@ REPEATS = 15  # caches each swapping-ask process loads one after the other (the 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_model_dir):
     import kvcli
-    from kvcli.prefill import prefill  # not kvcli.prefill: once imported, the submodule shadows that name
+    from kvcli.prefilling import prefill
     from tests.conftest import sample_text
 
     root = tmp_path_factory.mktemp("concurrency")
