@@ -165,7 +165,8 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note) -> di
     times = []
     for _ in range(RESTORE_REPEATS):
         t0 = time.perf_counter()
-        loaded = torch.load(naive, map_location=lm.device)
+        # The naive baseline people use: its own file, just written above; never a cache (weights_only: no code).
+        loaded = torch.load(naive, map_location=lm.device, weights_only=True)
         kinds = [(e.kind, e.seq_length, e.sliding_window) for e in m.layers]
         restore.new_cache(lm, [layers.LayerState(kind, k, v, seq, win) for (k, v), (kind, seq, win) in zip(loaded, kinds)])
         times.append(time.perf_counter() - t0)
