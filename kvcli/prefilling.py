@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import __version__, framing as fr, layers, manifest as mf, store
+from . import __version__, framing as fr, layers, manifest as mf, writing
 from .documents import Document
 from .errors import DocumentError
 from .models import LoadedModel
@@ -86,7 +86,7 @@ def prefill(
     frame = fr.choose(lm.tokenizer, framing, system)
     ids = document_token_ids(lm, document, frame)
     out = Path(out)
-    with store.atomic_cache_dir(out, force=force) as tmp:
+    with writing.atomic_cache_dir(out, force=force) as tmp:
         t0 = time.perf_counter()
         cache = run_chunks(lm, ids, chunk_size, progress)
         t1 = time.perf_counter()
@@ -105,7 +105,7 @@ def prefill(
             compression={"codec": "zstd", "level": level, "transform": transform},
             layers=entries,
         )
-        store.write_file(tmp, mf.MANIFEST_NAME, manifest.dumps())  # written last: no manifest, no cache
+        writing.write_file(tmp, mf.MANIFEST_NAME, manifest.dumps())  # written last: no manifest, no cache
     return PrefillResult(path=out, manifest=manifest, compute_s=t1 - t0, write_s=time.perf_counter() - t1)
 
 
@@ -120,7 +120,7 @@ def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: i
         keys, values = state.keys.detach().to("cpu"), state.values.detach().to("cpu")
         enc = encode_layer(keys, values, transform=transform, level=level)
         name = f"layer_{i:03d}.safetensors.zst"
-        store.write_file(directory, name, enc.data)
+        writing.write_file(directory, name, enc.data)
         return mf.LayerEntry(
             index=i,
             kind=state.kind,

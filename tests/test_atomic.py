@@ -1,7 +1,7 @@
 """Replacing a cache is atomic: a kill (SIGKILL), Ctrl-C, full disk or unwritable path at any moment
 leaves the old cache or the new one, complete; temporary folders are never read and get cleaned up.
 
-Exact kill points come from the writer's test hook (KVCLI_TEST_STOP_AT, see kvcli/store.py): the
+Exact kill points come from the writer's test hook (KVCLI_TEST_STOP_AT, see kvcli/writing.py): the
 prefill stops itself there (SIGSTOP) and this test kills it. Prefills run as real `python -m kvcli`
 processes, all at once to keep the wall time down. KVCLI_TEST_SLOW=1 adds a kill after a seeded delay.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcli import store
+from kvcli import store, writing
 from kvcli.errors import CacheMissingError
 
 QUESTION = "What does the document say about permissions?"
@@ -142,7 +142,7 @@ def outcomes(world, tmp_path_factory):
             continue
         results[sc] = {"stale_while_alive": None}
         if sc[0] == "kill":  # while the writer lives (stopped), nobody removes its temporary folder
-            store.clean_stale(targets[sc])
+            writing.clean_stale(targets[sc])
             results[sc]["stale_while_alive"] = bool(temp_siblings(targets[sc]))
             p.kill()
         else:

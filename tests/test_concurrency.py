@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvcli import manifest as mf
-from kvcli import store
+from kvcli import store, writing
 
 QUESTION = "Who may use the work?"
 MAX_NEW = 4
@@ -52,7 +52,7 @@ def world(tmp_path_factory, tiny_model_dir):
 
 def install_copy(target: Path, source: Path) -> None:
     """Replace `target` by a copy of the cache `source` through the same atomic path prefill uses."""
-    with store.atomic_cache_dir(target, force=True) as tmp:
+    with writing.atomic_cache_dir(target, force=True) as tmp:
         names = sorted(os.listdir(source), key=lambda n: n == mf.MANIFEST_NAME)  # manifest last, as prefill does
         for name in names:
             shutil.copyfile(source / name, tmp / name)

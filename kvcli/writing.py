@@ -1,0 +1,205 @@
+"""Writing cache directories atomically. No torch here.
+
+A cache is written into a hidden temporary sibling (".NAME.kvtmp-PID-..."), every file fsynced, and
+swapped into place in one step (renameat2 RENAME_EXCHANGE when replacing), so a crash, kill or full
+disk leaves the previous cache intact; leftovers of dead writers are removed by the next write.
+
+Test hook: with KVCLI_TEST_STOP_AT=<point> in the environment, a writer stops itself (SIGSTOP) at
+that point so a test can kill it there: "tmp-created", "wrote:<file name>", "before-install",
+"installed" (new cache in place, old one not yet removed). Nothing else reads that variable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import CacheExistsError, KvcliError
+from .store import TMP_MARK, is_cache
+
+def _test_point(name: str) -> None:
+    """Test hook (see the module docstring): stop here when KVCLI_TEST_STOP_AT names this point."""
+    if os.environ.get("KVCLI_TEST_STOP_AT") == name:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(directory: Path, name: str, data: bytes) -> None:
+    with open(directory / name, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    _test_point(f"wrote:{name}")
+
+
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux renameat2(a, b, flags). False where unsupported (other OS, old kernel, filesystem)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD = -100
+    rc = renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), flags)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE). False where unsupported."""
+    return _renameat2(a, b, RENAME_EXCHANGE)
+
+
+def clean_stale(target: Path) -> None:
+    """Remove temporary siblings of `target` left by killed runs (their process is gone, their lock free)."""
+    parent = target.parent
+    prefix = f".{target.name}{TMP_MARK}"
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(prefix):
+            continue
+        pid = entry.name[len(prefix) :].split("-")[0]
+        if pid.isdigit() and _alive(int(pid)):
+            continue
+        if entry.is_symlink() or not entry.is_dir():
+            _remove(entry)
+            continue
+        lock = _lock(entry, block=False)
+        if lock is None:  # a writer (perhaps on another host sharing this folder) still holds it
+            continue
+        try:
+            _remove(entry)
+        finally:
+            os.close(lock)
+
+
+def _lock(directory: Path, *, block: bool) -> int | None:
+    """An fd holding an exclusive flock on `directory` (released when the process dies), or None if held."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def atomic_cache_dir(target: str | os.PathLike, *, force: bool) -> Iterator[Path]:
+    """Yield a fresh temporary directory; on success swap it into `target`, else remove it.
+
+    An existing cache is replaced only with force, and in one atomic step where the OS allows.
+    """
+    target = Path(target)
+    if TMP_MARK in target.name:
+        raise KvcliError(f"{target}: names containing '{TMP_MARK}' are reserved for kvcli's temporary folders")
+    if target.exists() and not force:
+        raise CacheExistsError(f"{target}: already exists (use --force to replace it)")
+    if target.exists() and not target.is_dir():
+        raise KvcliError(f"{target}: exists and is not a cache directory; refusing to replace it")
+    parent = target.parent
+    if not parent.is_dir():
+        raise KvcliError(f"{parent}: output folder {'is not a folder' if parent.exists() else 'does not exist'}")
+    clean_stale(target)
+    tmp = parent / f".{target.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        raise KvcliError(f"{parent}: cannot write here ({exc.strerror})") from None
+    lock = _lock(tmp, block=True)  # tells clean_stale in other processes that this folder is in use
+    try:
+        _test_point("tmp-created")
+        yield tmp
+        _fsync_dir(tmp)
+        _test_point("before-install")
+        _install(tmp, target, force=force)
+    except OSError as exc:
+        raise KvcliError(f"{target}: write failed ({exc.strerror or exc}); nothing was changed") from None
+    finally:
+        if lock is not None:
+            os.close(lock)
+        if tmp.exists() or tmp.is_symlink():
+            _remove(tmp)
+
+
+def _install(tmp: Path, target: Path, *, force: bool) -> None:
+    if target.exists():
+        if not force:
+            raise CacheExistsError(f"{target}: appeared while writing (use --force to replace it)")
+        if not is_cache(target) and any(target.iterdir()):
+            raise KvcliError(f"{target}: is a non-empty folder that is not a kvcli cache; refusing to replace it")
+        if _exchange(tmp, target):  # tmp now holds the old cache; the finally clause removes it
+            _installed(target)
+            return
+        old = target.with_name(f".{target.name}{TMP_MARK}{os.getpid()}-old-{uuid.uuid4().hex[:8]}")
+        os.rename(target, old)  # fallback: a brief moment without a cache, never a mix
+        os.rename(tmp, target)
+        _installed(target)
+        _remove(old)
+        return
+    try:
+        done = _renameat2(tmp, target, RENAME_NOREPLACE)
+    except FileExistsError:
+        raise CacheExistsError(f"{target}: appeared while writing (use --force to replace it)") from None
+    if not done:
+        os.rename(tmp, target)
+    _installed(target)
+
+
+def _installed(target: Path) -> None:
+    """The new cache is in place: make the rename durable (best effort: it has happened either way)."""
+    try:
+        _fsync_dir(target.parent)
+    except OSError:
+        pass
+    _test_point("installed")
