@@ -54,13 +54,12 @@ class _Stream:
     Text is held back while it could still become a stop string or ends in a partial character.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str], on_text: TokenFn | None, clock_start: float):
+    def __init__(self, tokenizer: Any, stop: Sequence[str], on_text: TokenFn | None):
         self.tokenizer, self.stop, self.on_text = tokenizer, list(stop), on_text
         self.ids: list[int] = []
         self.sent = 0
         self.stopped = False
         self.first_token_at: float | None = None
-        self.started = clock_start
         self.prompt_seen = False
 
     def put(self, value) -> None:
@@ -139,7 +138,7 @@ class Session:
                 raise GenerationError(f"question too long: the prompt needs {len(prompt)} of the model's {limit} positions")
             max_new = min(max_new, limit - len(prompt))
         model, tok = self.lm.model, self.lm.tokenizer
-        stream = _Stream(tok, opts.stop, on_text, start)
+        stream = _Stream(tok, opts.stop, on_text)
         counted = [0]
 
         def count(_module, args, kwargs):

@@ -83,7 +83,7 @@ def prefill(
     revision: RevisionOpt = None,
     system: Annotated[Optional[str], typer.Option(help="System text placed before the document.")] = None,
     framing: Annotated[str, typer.Option(help="auto (chat template if the model has one), chat or plain.")] = "auto",
-    chunk_size: Annotated[int, typer.Option(help="Tokens per forward pass.")] = 1024,
+    chunk_size: Annotated[Optional[int], typer.Option(min=1, help="Tokens per forward pass (default: 1024, chosen by measurement).", show_default=False)] = None,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16 (auto: float32 on CPU).")] = "auto",
     device: DeviceOpt = "auto",
     encoding: Annotated[str, typer.Option(help="Text encoding of the documents.")] = "utf-8",
@@ -118,7 +118,8 @@ def prefill(
         overall = (n, len(ready)) if len(targets) > 1 else None
         try:
             with out.progress(f"prefill {doc}", overall=overall) as update:
-                r = pf.prefill(lm, document, target, system=system, framing=framing, chunk_size=chunk_size, force=force, progress=update)
+                r = pf.prefill(lm, document, target, system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK,
+                               force=force, progress=update)
         except KvcliError as exc:
             report(exc)
             continue
@@ -156,9 +157,9 @@ def ask(
     questions: Annotated[Optional[list[str]], typer.Argument(help="Questions (or -f FILE, or stdin).", show_default=False)] = None,
     cache: Annotated[list[Path], typer.Option("--cache", "-c", help="Cache to answer from (repeatable).")] = [],  # noqa: B006
     questions_file: Annotated[Optional[str], typer.Option("--questions-file", "-f", help="One question per line ('-' for stdin); blank and # lines skipped.")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Most answer tokens.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 for greedy (default).")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling threshold (with --temperature).")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most answer tokens.")] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 for greedy (default).")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling threshold (with --temperature).")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
     stop: Annotated[list[str], typer.Option(help="End the answer at this string (repeatable).")] = [],  # noqa: B006
     model: ModelOpt = None,
@@ -177,6 +178,8 @@ def ask(
     out = Output(quiet=quiet)
     if not cache:
         raise UsageError("--cache is required")
+    if top_p <= 0:
+        raise UsageError("--top-p must be above 0")
     qs = _gather_questions(questions or [], questions_file)
     opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop))
     if trust_remote_code and not model:
@@ -311,7 +314,7 @@ def ls(
 def bench(
     doc: Annotated[Path, typer.Argument(help="Document to measure with (repeated or cut to each length).")],
     tokens: Annotated[list[int], typer.Option("--tokens", "-n", help="Document lengths in tokens (repeatable; default: 1k, 2k, 4k, 8k within the model's limit).")] = [],  # noqa: B006
-    questions: Annotated[int, typer.Option(help="Questions timed per length.")] = 3,
+    questions: Annotated[int, typer.Option(min=1, help="Questions timed per length.")] = 3,
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     device: DeviceOpt = "auto",

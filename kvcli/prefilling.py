@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import __version__, framing as fr, layers, manifest as mf, writing
 from .documents import Document
-from .errors import DocumentError
+from .errors import DocumentError, UsageError
 from .models import LoadedModel
 
 DEFAULT_CHUNK = 1024  # chosen by measurement (8k tokens: 1.10x one forward at 60% of its peak memory): README, "Performance"
@@ -82,7 +82,7 @@ def prefill(
 ) -> PrefillResult:
     """Compute the document's cache and write it atomically to `out` (replacing only with force)."""
     if chunk_size < 1:
-        raise DocumentError(f"--chunk-size must be positive, got {chunk_size}")
+        raise UsageError(f"--chunk-size must be positive, got {chunk_size}")
     frame = fr.choose(lm.tokenizer, framing, system)
     ids = document_token_ids(lm, document, frame)
     out = Path(out)

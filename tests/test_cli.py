@@ -247,3 +247,17 @@ def test_cache_strings_are_not_rich_markup(cache_dir, tmp_path):
         result = run(*args)
         assert result.exit_code == 0, result.stderr
     assert "[/bold]evil[red]" in run("info", path).stdout
+
+
+@pytest.mark.parametrize("args", [
+    ("ask", "--max-new-tokens", "0", "Q?"), ("ask", "--temperature", "-1", "Q?"), ("ask", "--top-p", "0", "Q?"),
+    ("ask", "--top-p", "1.5", "Q?"),
+])
+def test_out_of_range_generation_options_are_usage_errors(cache_dir, args):
+    result = run(args[0], "-c", cache_dir, *args[1:])
+    assert result.exit_code == 2 and "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_bad_chunk_size_is_a_usage_error(doc_file, tiny_model_dir, tmp_path):
+    result = run("prefill", doc_file, "-o", tmp_path / "c.kv", "--model", tiny_model_dir, "--chunk-size", "0")
+    assert result.exit_code == 2 and not (tmp_path / "c.kv").exists()
