@@ -12,18 +12,18 @@ Python API (heavy modules load on first use, so `import kvcli` stays cheap):
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load": ("kvcli.models", "load"),
-    "from_objects": ("kvcli.models", "from_objects"),
-    "LoadedModel": ("kvcli.models", "LoadedModel"),
+    "load": ("kvcli.engine.models", "load"),
+    "from_objects": ("kvcli.engine.models", "from_objects"),
+    "LoadedModel": ("kvcli.engine.models", "LoadedModel"),
     "read_document": ("kvcli.documents", "read"),
     "Document": ("kvcli.documents", "Document"),
-    "prefill": ("kvcli.prefilling", "prefill"),
-    "Session": ("kvcli.answer", "Session"),
-    "Answer": ("kvcli.answer", "Answer"),
-    "GenerationOptions": ("kvcli.answer", "GenerationOptions"),
-    "ask": ("kvcli.answer", "ask"),
-    "verify": ("kvcli.store", "verify"),
-    "read_manifest": ("kvcli.store", "read_manifest"),
+    "prefill": ("kvcli.engine.prefilling", "prefill"),
+    "Session": ("kvcli.engine.answer", "Session"),
+    "Answer": ("kvcli.engine.answer", "Answer"),
+    "GenerationOptions": ("kvcli.engine.answer", "GenerationOptions"),
+    "ask": ("kvcli.engine.answer", "ask"),
+    "verify": ("kvcli.format.store", "verify"),
+    "read_manifest": ("kvcli.format.store", "read_manifest"),
 }
 
 __all__ = ["__version__", *_LAZY]

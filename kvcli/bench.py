@@ -24,10 +24,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import __version__, framing as fr, layers, prefilling as pf, restore, store
+from . import __version__
+
+from .engine import framing as fr, layers, prefilling as pf, restore
+
+from .format import store
 from .documents import Document
 from .errors import UsageError
-from .models import LoadedModel
+from .engine.models import LoadedModel
 
 DEFAULT_SIZES = (1024, 2048, 4096, 8192)
 RESTORE_REPEATS = 3
@@ -176,7 +180,7 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note) -> di
 
     note(f"  time to first token for {len(qs)} question(s), with the cache (restore included) and recomputed")
     cached, recomputed, same = [], [], []
-    from . import answer
+    from .engine import answer
 
     for q in qs:
         session = answer.Session(lm, path)

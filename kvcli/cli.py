@@ -93,7 +93,8 @@ def prefill(
     quiet: QuietOpt = False,
 ) -> int:
     """Run documents through the model once and write their key/value caches."""
-    from . import documents, models, prefilling as pf
+    from . import documents
+    from .engine import models, prefilling as pf
 
     out = Output(quiet=quiet)
     targets = _prefill_targets(docs, output)
@@ -139,7 +140,7 @@ def prefill(
 
 
 def _prefill_targets(docs: list[str], output: Optional[Path]) -> list[tuple[str, Path]]:
-    from .store import is_cache
+    from .format.store import is_cache
 
     if "-" in docs and (output is None or len(docs) > 1):
         raise UsageError("reading the document from stdin ('-') needs -o CACHE and no other document")
@@ -173,7 +174,7 @@ def ask(
     quiet: QuietOpt = False,
 ) -> int:
     """Answer questions from cached documents, computing only the questions' tokens."""
-    from . import answer as an
+    from .engine import answer as an
 
     out = Output(quiet=quiet)
     if not cache:
@@ -234,7 +235,7 @@ def info(
     from rich.table import Table
     from rich.text import Text
 
-    from . import catalog, store
+    from .format import catalog, store
 
     out = Output()
     m = store.read_manifest(cache)
@@ -264,7 +265,7 @@ def verify(
     quiet: QuietOpt = False,
 ) -> int:
     """Check every shard of each cache against its manifest (no model needed). Exit 3 if any is bad."""
-    from . import store
+    from .format import store
 
     out = Output(quiet=quiet)
     worst = 0
@@ -291,7 +292,7 @@ def ls(
     from rich.table import Table
     from rich.text import Text
 
-    from . import catalog
+    from .format import catalog
 
     out = Output()
     if not folder.is_dir():
@@ -323,7 +324,8 @@ def bench(
     quiet: QuietOpt = False,
 ) -> int:
     """Measure prefill, restore and time to first token with and without the cache, and sizes."""
-    from . import bench as bn, documents, models
+    from . import bench as bn, documents
+    from .engine import models
 
     out = Output(quiet=quiet)
     document = documents.read(doc)

@@ -35,7 +35,7 @@ def tokenizer_dir(session_home) -> Path:
     if not (folder / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
 
-        from kvcli.models import default_gguf_path
+        from kvcli.engine.models import default_gguf_path
 
         gguf = default_gguf_path()
         tmp = session_home / f".tokenizer-{os.getpid()}"

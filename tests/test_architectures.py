@@ -17,11 +17,11 @@ from types import SimpleNamespace
 import pytest
 
 import kvcli
-from kvcli import layers, restore
+from kvcli.engine import layers, restore
 from kvcli.documents import decode
 from kvcli.errors import CacheMismatchError, ModelError
-from kvcli.prefilling import prefill
-from kvcli.store import read_manifest
+from kvcli.engine.prefilling import prefill
+from kvcli.format.store import read_manifest
 from tests.conftest import TokenCounter, reference_answer, sample_text
 from tests.helpers import assert_clean_error, run
 
@@ -471,7 +471,7 @@ def test_prefill_refuses_a_hybrid_cache_even_when_the_model_check_is_bypassed(to
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvcli.models import LoadedModel, fingerprint
+    from kvcli.engine.models import LoadedModel, fingerprint
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_refused_config("falcon_h1", len(tokenizer))).eval()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcli import store, writing
+from kvcli.format import store, writing
 from kvcli.errors import CacheMissingError
 
 QUESTION = "What does the document say about permissions?"
@@ -32,7 +32,7 @@ SEED = 4242
 def world(tmp_path_factory, tiny_model_dir):
     """Two documents, the old cache (document A) and a reference of the new one (document B), answers of both."""
     import kvcli
-    from kvcli.prefilling import prefill
+    from kvcli.engine.prefilling import prefill
     from tests.conftest import sample_text
 
     root = tmp_path_factory.mktemp("atomic")
@@ -156,9 +156,9 @@ def outcomes(world, tmp_path_factory):
 
 @pytest.mark.parametrize("scenario", KILLS, ids=[p for _, p in KILLS])
 def test_sigkill_leaves_a_complete_cache_and_a_stale_folder_that_is_ignored_then_cleaned(world, outcomes, scenario):
-    from kvcli import catalog
+    from kvcli.format import catalog
     from kvcli.documents import read
-    from kvcli.prefilling import prefill
+    from kvcli.engine.prefilling import prefill
 
     w, r = world, outcomes[scenario]
     point, target = scenario[1], r["target"]
@@ -295,7 +295,7 @@ def test_unwritable_output_paths(world, tmp_path):
 def test_temporary_names_are_never_caches(world, tmp_path):
     from kvcli.documents import read
     from kvcli.errors import KvcliError
-    from kvcli.prefilling import prefill
+    from kvcli.engine.prefilling import prefill
 
     w = world
     fake = tmp_path / f".doc.kv{store.TMP_MARK}99999999-abcdef12"  # no such process

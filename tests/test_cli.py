@@ -7,7 +7,7 @@ import json
 import pytest
 
 import kvcli
-from kvcli import manifest as mf
+from kvcli.format import manifest as mf
 from tests.conftest import reference_answer, sample_text
 from tests.helpers import assert_clean_error, json_lines, run
 

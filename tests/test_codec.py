@@ -13,10 +13,11 @@ import torch
 import zstandard
 
 import kvcli
-from kvcli import codec, manifest as mf, restore, store
+from kvcli.format import codec, manifest as mf, store
+from kvcli.engine import restore
 from kvcli.documents import decode
 from kvcli.errors import CacheCorruptError
-from kvcli.prefilling import prefill
+from kvcli.engine.prefilling import prefill
 from tests.conftest import TokenCounter, reference_answer, sample_text
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -172,7 +173,7 @@ def test_cache_restores_bit_identically_and_answers_like_recompute(tiny_lm, doc,
     path = tmp_path / "doc.kv"
     result = prefill(tiny_lm, doc, path, transform="none" if transform == "old" else transform, chunk_size=100)
     with torch.inference_mode():
-        from kvcli.prefilling import run_chunks
+        from kvcli.engine.prefilling import run_chunks
 
         fresh = run_chunks(tiny_lm, result.manifest.token_ids, 100)
     if transform == "old":
@@ -201,7 +202,7 @@ def test_half_precision_caches_restore_bit_identically(tokenizer, doc, tmp_path,
     path = tmp_path / "doc.kv"
     result = prefill(lm, doc, path, chunk_size=128)
     assert result.manifest.dtype == dtype and result.manifest.transform == "byteplane"
-    from kvcli.prefilling import run_chunks
+    from kvcli.engine.prefilling import run_chunks
 
     fresh = run_chunks(lm, result.manifest.token_ids, 128)
     with store.open_cache(path) as opened:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcli import manifest as mf
-from kvcli import store, writing
+from kvcli.format import manifest as mf
+from kvcli.format import store, writing
 
 QUESTION = "Who may use the work?"
 MAX_NEW = 4
@@ -31,7 +31,7 @@ REPEATS = 15  # caches each swapping-ask process loads one after the other (the 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_model_dir):
     import kvcli
-    from kvcli.prefilling import prefill
+    from kvcli.engine.prefilling import prefill
     from tests.conftest import sample_text
 
     root = tmp_path_factory.mktemp("concurrency")
@@ -156,7 +156,7 @@ def test_reader_threads_never_see_a_mix(world, tmp_path):
 @pytest.mark.parametrize("moment", ["before the manifest is opened", "after the manifest is read", "after every shard is opened"])
 def test_replaced_at_each_step_of_opening(world, tmp_path, monkeypatch, moment):
     """Force the replacement (swap in, old one deleted) at one exact step of a reader's open."""
-    from kvcli import restore
+    from kvcli.engine import restore
 
     w = world
     target = tmp_path / "doc.kv"

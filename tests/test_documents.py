@@ -130,8 +130,8 @@ def test_stdin_document_is_named_dash(monkeypatch):
 
 def test_recorded_name_has_no_control_characters(tmp_path, tiny_lm):
     """A file name with terminal escapes is recorded harmlessly, so its cache still validates."""
-    from kvcli import store
-    from kvcli.prefilling import prefill
+    from kvcli.format import store
+    from kvcli.engine.prefilling import prefill
 
     path = tmp_path / "evil\x1b]0;title\x07\x1b[2J.txt"
     path.write_text("A short document about ducks and water.", encoding="utf-8")

@@ -50,7 +50,7 @@ def load_body(cache: Path) -> dict:
 
 
 def save_body(cache: Path, body: dict, *, fix: bool = True) -> None:
-    from kvcli import manifest as mf
+    from kvcli.format import manifest as mf
 
     if fix:
         body["manifest_sha256"] = mf.checksum(body)
@@ -638,7 +638,7 @@ def _worker(cfg: dict) -> int:
     import typer
     from click.testing import CliRunner
 
-    import kvcli.models as models
+    import kvcli.engine.models as models
     from kvcli.cli import app
 
     command = typer.main.get_command(app)  # built once: typer's runner rebuilds it on every call (20 ms)
@@ -858,7 +858,7 @@ def test_fuzz_damaged_and_crafted_caches(pristine, tiny_model_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def shard0(pristine):
-    from kvcli import store
+    from kvcli.format import store
 
     m = store.read_manifest(pristine)
     return m, (pristine / m.layers[0].file).read_bytes()
@@ -868,7 +868,7 @@ def shard0(pristine):
 def test_decoders_refuse_every_crafted_payload(shard0, checker):
     """The restore decoder and verify's streaming check, on their own: each crafted payload raises
     CacheCorruptError with a one-line message, and memory stays bounded."""
-    from kvcli import codec, store
+    from kvcli.format import codec, store
     from kvcli.errors import CacheCorruptError
 
     m, stored = shard0
@@ -894,7 +894,7 @@ def test_decoders_refuse_every_crafted_payload(shard0, checker):
 
 def test_manifest_parse_never_raises_anything_but_cache_errors(pristine):
     """manifest.parse alone on thousands of seeded random edits (fast, in process)."""
-    from kvcli import manifest as mf
+    from kvcli.format import manifest as mf
     from kvcli.errors import CacheError
 
     raw = (pristine / "manifest.json").read_bytes()
@@ -928,7 +928,7 @@ def make_long_cache(pristine: Path, dst: Path, tokens: int, max_positions: int) 
 
     import zstandard
 
-    from kvcli import manifest as mf
+    from kvcli.format import manifest as mf
 
     shutil.copytree(pristine, dst)
     body = load_body(dst)
@@ -978,7 +978,7 @@ def store_decoded(cache: Path) -> int:
 
 def test_ask_refuses_a_cache_longer_than_the_model_before_loading_it(pristine, tiny_model_dir, tmp_path, monkeypatch):
     import kvcli
-    from kvcli import restore
+    from kvcli.engine import restore
     from kvcli.errors import CacheError
 
     long = tmp_path / "long.kv"

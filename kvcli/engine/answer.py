@@ -13,8 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import framing as fr, restore, store
-from .errors import GenerationError
+from . import framing as fr, restore
+
+from ..format import store
+from ..errors import GenerationError
 from .models import LoadedModel
 
 DEFAULT_MAX_NEW_TOKENS = 256

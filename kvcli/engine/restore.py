@@ -9,12 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from . import layers, manifest as mf
-from .codec import DTYPES, decode_layer
-from .errors import CacheMismatchError
+from . import layers
+
+from ..format import manifest as mf
+from ..format.codec import DTYPES, decode_layer
+from ..errors import CacheMismatchError
 from .framing import FRAMING_VERSION
 from .models import LoadedModel
-from .store import OpenedCache
+from ..format.store import OpenedCache
 
 _CHECKED = (
     ("model_type", "model type"),

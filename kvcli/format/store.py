@@ -1,7 +1,7 @@
 """Reading cache directories: a consistent snapshot, validated manifest, verified shards. No torch here.
 
 A cache is a directory holding manifest.json and one shard per layer, swapped into place whole by
-kvcli/writing.py. Readers open the directory once and every file relative to it, so they see the
+kvcli/format/writing.py. Readers open the directory once and every file relative to it, so they see the
 old cache or the new one, complete, and never a mix.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import manifest as mf, payload
-from .errors import CacheCorruptError, CacheMissingError
+from ..errors import CacheCorruptError, CacheMissingError
 
 TMP_MARK = ".kvtmp-"
 

@@ -22,7 +22,7 @@ import torch
 import zstandard
 
 from . import payload
-from .errors import CacheCorruptError
+from ..errors import CacheCorruptError
 
 TRANSFORMS = ("none", "byteplane")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from . import store
-from .errors import CacheError
+from ..errors import CacheError
 from .manifest import Manifest
 
 

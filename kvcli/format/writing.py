@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import CacheExistsError, KvcliError
+from ..errors import CacheExistsError, KvcliError
 from .store import TMP_MARK, is_cache
 
 def _test_point(name: str) -> None:

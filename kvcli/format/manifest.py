@@ -12,7 +12,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import CacheCorruptError, CacheVersionError
+from ..errors import CacheCorruptError, CacheVersionError
 
 FORMAT_NAME = "kvcli-cache"
 FORMAT_VERSION = 1

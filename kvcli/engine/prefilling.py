@@ -10,9 +10,13 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import __version__, framing as fr, layers, manifest as mf, writing
-from .documents import Document
-from .errors import DocumentError, UsageError
+from .. import __version__
+
+from . import framing as fr, layers
+
+from ..format import manifest as mf, writing
+from ..documents import Document
+from ..errors import DocumentError, UsageError
 from .models import LoadedModel
 
 DEFAULT_CHUNK = 1024  # chosen by measurement (8k tokens: 1.10x one forward at 60% of its peak memory): README, "Performance"
@@ -113,7 +117,7 @@ def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: i
     """Compress and write every layer in parallel threads (zstd and torch copies release the GIL)."""
     import hashlib
 
-    from .codec import encode_layer
+    from ..format.codec import encode_layer
 
     def one(i: int) -> mf.LayerEntry:
         state = states[i]
