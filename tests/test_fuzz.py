@@ -962,7 +962,7 @@ def test_verify_streams_whatever_the_manifest_claims(pristine, tmp_path):
     long = tmp_path / "long.kv"
     make_long_cache(pristine, long, tokens=400_000, max_positions=1 << 20)
     assert sum(p.stat().st_size for p in long.iterdir()) < 2 << 20
-    code = "import resource, sys; from kvcli import store; store.verify(sys.argv[1]); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    code = "import resource, sys; from kvcli.format import store; store.verify(sys.argv[1]); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
     rss = {}
     for name, path in (("pristine", pristine), ("long", long)):
         proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
