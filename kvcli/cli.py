@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import __version__
-from .errors import CacheError, KvcliError, UsageError
+from .errors import KvcliError, UsageError
 from .output import Output, debug_enabled, human_bytes
 
 EXIT_CODES = "Exit codes: 0 ok, 1 failure, 2 usage error, 3 cache missing/corrupt/stale (rebuild it)."
@@ -77,8 +77,10 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 @command
 def prefill(
-    docs: Annotated[list[str], typer.Argument(help="Document files ('-' reads stdin and needs -o).", show_default=False)],
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Cache path (one document) or folder (several). Default: DOC with suffix .kv")] = None,
+    docs: Annotated[Optional[list[str]], typer.Argument(help="Document files or URLs ('-' reads stdin and needs -o).", show_default=False)] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Cache path (one document) or folder (several), or an object-store URL (s3://bucket/prefix/). Default: DOC with suffix .kv")] = None,
+    from_list: Annotated[Optional[str], typer.Option("--from-list", help="File listing documents (paths or URLs), one per line ('-' for stdin); caches already up to date are skipped.")] = None,
+    shard: Annotated[Optional[str], typer.Option("--shard", help="Take share I of N of the list (I/N, from 0; default: the Slurm array task, or JOB_COMPLETION_INDEX of KVCLI_SHARD_COUNT).")] = None,
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     system: Annotated[Optional[str], typer.Option(help="System text placed before the document.")] = None,
@@ -96,8 +98,19 @@ def prefill(
     from . import documents
     from .engine import models, prefilling as pf
 
+    from .remote import is_url
+
     out = Output(quiet=quiet)
-    targets = _prefill_targets(docs, output)
+    docs = docs or []
+    if shard is not None and from_list is None:
+        raise UsageError("--shard needs --from-list")
+    if from_list is not None or is_url(output) or any(is_url(d) for d in docs):
+        return _prefill_corpus(out, docs, from_list, shard, output, model=model, revision=revision, system=system, framing=framing,
+                               chunk_size=chunk_size, dtype=dtype, device=device, encoding=encoding, force=force,
+                               trust_remote_code=trust_remote_code, json_out=json_out)
+    if not docs:
+        raise UsageError("no document given (DOC ..., or --from-list FILE)")
+    targets = _prefill_targets(docs, Path(output) if output is not None else None)
     failed: list[KvcliError] = []
 
     def report(exc: KvcliError) -> None:
@@ -139,6 +152,82 @@ def prefill(
     return 0
 
 
+def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shard: Optional[str], output: Optional[str], *,
+                    model, revision, system, framing, chunk_size, dtype, device, encoding, force, trust_remote_code, json_out) -> int:
+    """Documents from a list and/or URLs, this process's share, one result line each (library: engine.corpus)."""
+    from . import documents
+    from .engine import corpus, models, prefilling as pf
+    from .remote import is_url
+
+    entries = list(dict.fromkeys(docs + (corpus.read_list(from_list) if from_list is not None else [])))
+    if "-" in entries:
+        raise UsageError("with --from-list or URLs, documents are files or URLs, not stdin ('-')")
+    share = corpus.parse_shard(shard) if shard else (corpus.shard_from_env() if from_list is not None else None)
+    jobs = corpus.plan(entries, _corpus_target(output, single=from_list is None and len(entries) == 1))
+    if share:
+        jobs = corpus.share(jobs, *share)
+    label = f" (shard {share[0]}/{share[1]})" if share else ""
+    if not jobs:
+        out.note(f"no documents to prefill{label}")
+        return 0
+    if any(is_url(j.document) for j in jobs):
+        from .remote import objects
+
+        read = functools.partial(objects.read_document, encoding=encoding)
+    else:
+        read = functools.partial(documents.read, encoding=encoding)
+    with out.status("loading model"):
+        lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
+    counts = {"built": 0, "skipped": 0, "failed": 0}
+    results = corpus.run(lm, jobs, read=read, system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK,
+                         force=force, incremental=from_list is not None,
+                         progress_for=lambda job: out.progress(f"prefill {job.document}"))
+    for r in results:
+        counts[r.status] += 1
+        if json_out:
+            out.json_line(r.to_json())
+        if r.status == "failed":
+            out.error(r.error)
+        elif not json_out:
+            out.note(f"{r.cache}: {r.status} ({r.tokens:,} tokens, {r.seconds:.1f} s)")
+    out.note(f"{counts['built']} built, {counts['skipped']} skipped, {counts['failed']} failed of {len(jobs)} documents{label}")
+    return 1 if counts["failed"] else 0
+
+
+def _corpus_target(output: Optional[str], *, single: bool):
+    """entry -> where its cache goes: next to it, in folder -o, or under the URL prefix -o."""
+    from .engine import corpus
+    from .remote import is_url
+
+    if output is not None and is_url(output):
+        from .remote import objects
+
+        objects.check_writable(output)
+        if single and not output.endswith("/"):
+            return lambda entry: objects.RemoteTarget(output)
+        return lambda entry: objects.RemoteTarget(objects.join(output, corpus.cache_name(entry)))
+    if output is not None:
+        folder = Path(output)
+        if single and not (folder.is_dir() and not _is_cache(folder)):
+            return lambda entry: corpus.LocalTarget(folder)
+        if not folder.is_dir():
+            raise UsageError(f"{folder}: with several documents or --from-list, -o must be an existing folder")
+        return lambda entry: corpus.LocalTarget(folder / corpus.cache_name(entry))
+
+    def beside(entry: str):
+        if is_url(entry):
+            raise UsageError(f"{entry}: a document given as a URL needs -o (a folder or an object-store URL)")
+        return corpus.LocalTarget(Path(entry).parent / corpus.cache_name(entry))
+
+    return beside
+
+
+def _is_cache(path: Path) -> bool:
+    from .format.store import is_cache
+
+    return is_cache(path)
+
+
 def _prefill_targets(docs: list[str], output: Optional[Path]) -> list[tuple[str, Path]]:
     from .format.store import is_cache
 
@@ -156,7 +245,7 @@ def _prefill_targets(docs: list[str], output: Optional[Path]) -> list[tuple[str,
 @command
 def ask(
     questions: Annotated[Optional[list[str]], typer.Argument(help="Questions (or -f FILE, or stdin).", show_default=False)] = None,
-    cache: Annotated[list[Path], typer.Option("--cache", "-c", help="Cache to answer from (repeatable).")] = [],  # noqa: B006
+    cache: Annotated[list[str], typer.Option("--cache", "-c", help="Cache to answer from: a folder or a URL (repeatable).")] = [],  # noqa: B006
     questions_file: Annotated[Optional[str], typer.Option("--questions-file", "-f", help="One question per line ('-' for stdin); blank and # lines skipped.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most answer tokens.")] = 256,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 for greedy (default).")] = 0.0,
@@ -189,8 +278,9 @@ def ask(
     first_error: Optional[KvcliError] = None
     for path in cache:
         try:
+            local = _local_cache(path, out)
             with out.status(f"loading {path}"):
-                session = an.Session(loader.for_cache(path), path, convert_dtype=convert_dtype)
+                session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
             for warning in session.warnings:
                 out.warn(warning)
         except KvcliError as exc:
@@ -202,11 +292,35 @@ def ask(
         for q in qs:
             stream = None if json_out else out.write
             a = session.ask(q, opts, on_text=stream)
+            a.cache = _shown(path)
             if json_out:
                 out.json_line(a.to_json())
             else:
                 out.write("\0" if null else "\n")
     return first_error.exit_code if first_error else 0
+
+
+def _local_cache(path: str, out: Output) -> Path:
+    """A cache folder to open: the path itself, or the checked local copy of a remote cache."""
+    from .remote import is_url
+
+    if not is_url(path):
+        return Path(path)
+    from .remote import local_store
+
+    with out.status(f"fetching {_shown(path)}"):
+        return local_store.fetch(path, progress=out.note)
+
+
+def _shown(path: str) -> str:
+    """A cache path or URL as printed (a URL without user:password@)."""
+    from .remote import is_url
+
+    if not is_url(path):
+        return path
+    from .remote.objects import redact
+
+    return redact(path)
 
 
 def _gather_questions(args: list[str], questions_file: Optional[str]) -> list[str]:
@@ -228,7 +342,7 @@ def _gather_questions(args: list[str], questions_file: Optional[str]) -> list[st
 
 @command
 def info(
-    cache: Annotated[Path, typer.Argument(help="Cache directory.")],
+    cache: Annotated[str, typer.Argument(help="Cache directory or URL.")],
     json_out: JsonOpt = False,
 ) -> int:
     """Show a cache's manifest: model, document, tokens, layers and sizes."""
@@ -237,9 +351,17 @@ def info(
 
     from .format import catalog, store
 
+    from .remote import is_url
+
     out = Output()
-    m = store.read_manifest(cache)
-    s = catalog.summary(cache, m)
+    if is_url(cache):
+        from .remote import objects
+
+        m = objects.read_manifest(cache)  # the manifest only: nothing else is downloaded
+        s = catalog.summary(objects.redact(cache), m)
+    else:
+        m = store.read_manifest(cache)
+        s = catalog.summary(Path(cache), m)
     if json_out:
         out.json_doc({**s, "layers": catalog.layer_rows(m)})
         return 0
@@ -260,7 +382,7 @@ def info(
 
 @command
 def verify(
-    caches: Annotated[list[Path], typer.Argument(help="Cache directories.")],
+    caches: Annotated[list[str], typer.Argument(help="Cache directories or URLs.")],
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> int:
@@ -271,21 +393,21 @@ def verify(
     worst = 0
     for path in caches:
         try:
-            m = store.verify(path)
-        except CacheError as exc:
+            m = store.verify(_local_cache(path, out))  # a URL: downloaded (every shard's sha256 checked), then decoded
+        except KvcliError as exc:
             worst = max(worst, exc.exit_code)
-            out.json_line({"cache": str(path), "ok": False, "error": str(exc)}) if json_out else out.error(exc)
+            out.json_line({"cache": _shown(path), "ok": False, "error": str(exc)}) if json_out else out.error(exc)
             continue
         if json_out:
-            out.json_line({"cache": str(path), "ok": True, "num_tokens": m.num_tokens, "num_layers": len(m.layers)})
+            out.json_line({"cache": _shown(path), "ok": True, "num_tokens": m.num_tokens, "num_layers": len(m.layers)})
         else:
-            out.note(f"{path}: ok ({len(m.layers)} layers, {m.num_tokens:,} tokens)")
+            out.note(f"{_shown(path)}: ok ({len(m.layers)} layers, {m.num_tokens:,} tokens)")
     return worst
 
 
 @command
 def ls(
-    folder: Annotated[Path, typer.Argument(help="Folder to list.")] = Path("."),
+    folder: Annotated[str, typer.Argument(help="Folder or URL prefix to list.")] = ".",
     json_out: JsonOpt = False,
 ) -> int:
     """List the caches in a folder: tokens, model, size, ratio and age."""
@@ -294,10 +416,18 @@ def ls(
 
     from .format import catalog
 
+    from .remote import is_url
+
     out = Output()
-    if not folder.is_dir():
+    if is_url(folder):
+        from .remote import objects
+
+        rows = objects.list_caches(folder)
+        folder = objects.redact(folder)
+    elif not Path(folder).is_dir():
         raise UsageError(f"{folder}: not a folder")
-    rows = catalog.find(folder)
+    else:
+        rows = catalog.find(Path(folder))
     if json_out:
         out.json_doc(rows)
         return 0
@@ -339,7 +469,9 @@ def bench(
     return 0
 
 
-def _age(seconds: float) -> str:
+def _age(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds / size:.0f}{unit}"

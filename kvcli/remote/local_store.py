@@ -1,0 +1,146 @@
+"""The local store of remote caches: each one copied once, checked, kept under $KVCLI_HOME/remote.
+
+A remote cache is stored as an ordinary cache directory named by the sha256 of its manifest bytes
+(which cover every shard's sha256): `$KVCLI_HOME/remote/<sha256>.kv`. Every shard is checked
+against the manifest's size and sha256 while it downloads, and the copy is installed atomically
+(the same writer as `prefill`), so a half download is never used. The next use of the same cache
+reads only the manifest from the store and finds the copy: no shard is downloaded again.
+
+The store is bounded by KVCLI_REMOTE_STORE_MAX (bytes, or with K/M/G/T; default 20G; 0 for no
+bound): after each download the least recently used copies are removed until it fits. Clear it
+with `rm -rf "$KVCLI_HOME/remote"`; a running `ask` keeps the files it has open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from . import objects
+from ..errors import CacheCorruptError, CacheExistsError, UsageError
+from ..format import manifest as mf, store, writing
+
+DEFAULT_MAX = "20G"
+MAX_VARIABLE = "KVCLI_REMOTE_STORE_MAX"
+_CHUNK = 4 << 20
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def root() -> Path:
+    from ..engine.models import kvcli_home
+
+    return kvcli_home() / "remote"
+
+
+def max_bytes() -> int:
+    """The store's bound from KVCLI_REMOTE_STORE_MAX (0: unbounded)."""
+    raw = os.environ.get(MAX_VARIABLE) or DEFAULT_MAX
+    m = _SIZE.match(raw)
+    if not m:
+        raise UsageError(f"${MAX_VARIABLE}={raw!r}: expected a size such as 500M or 20G (0 for no bound)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
+
+
+def fetch(url: str, progress: Callable[[str], None] | None = None) -> Path:
+    """A local, checked copy of the remote cache at `url` (downloaded only if not already stored)."""
+    raw = objects.manifest_bytes(url)
+    where = objects.redact(url)
+    m = mf.parse(raw, objects.join(where, mf.MANIFEST_NAME))
+    local = root() / f"{hashlib.sha256(raw).hexdigest()}.kv"
+    if _complete(local, m):
+        os.utime(local)  # most recently used
+        return local
+    local.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        progress(f"{where}: downloading {len(m.layers)} shards ({m.bytes_stored:,} bytes) into {local.parent}")
+    fs, base = objects.filesystem(url)
+    try:
+        with writing.atomic_cache_dir(local, force=local.exists()) as tmp:
+            for entry in m.layers:
+                _download(fs, objects.join(base, entry.file), tmp / entry.file, entry, objects.join(where, entry.file))
+            writing.write_file(tmp, mf.MANIFEST_NAME, raw)
+    except CacheExistsError:  # another process stored the same cache meanwhile
+        if not _complete(local, m):
+            raise
+    prune(keep=local)
+    return local
+
+
+def _complete(local: Path, m: mf.Manifest) -> bool:
+    """Whether the stored copy holds every shard at its size (their sha256 is checked on every read)."""
+    if not store.is_cache(local):
+        return False
+    try:
+        return all((local / e.file).stat().st_size == e.stored_bytes for e in m.layers)
+    except OSError:
+        return False
+
+
+def _download(fs, remote: str, dest: Path, entry: mf.LayerEntry, where: str) -> None:
+    """Stream one shard to `dest`, refusing it (exit 3) unless its size and sha256 match the manifest."""
+    digest, got = hashlib.sha256(), 0
+    with objects._failures(where, CacheCorruptError, "shard is missing"), fs.open(remote, "rb") as src, open(dest, "xb") as out:
+        while got <= entry.stored_bytes:
+            chunk = src.read(min(_CHUNK, entry.stored_bytes + 1 - got))
+            if not chunk:
+                break
+            digest.update(chunk)
+            out.write(chunk)
+            got += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    if got != entry.stored_bytes:
+        raise CacheCorruptError(f"{where}: {'more than' if got > entry.stored_bytes else ''} {got} bytes in the store, manifest says {entry.stored_bytes}")
+    if digest.hexdigest() != entry.sha256:
+        raise CacheCorruptError(f"{where}: checksum mismatch (the shard in the object store is damaged or was changed)")
+
+
+def entries() -> list[tuple[Path, int, float]]:
+    """(copy, bytes, last use) for every cache in the store."""
+    rows = []
+    base = root()
+    if not base.is_dir():
+        return rows
+    for path in base.iterdir():
+        if not store.is_cache(path):
+            continue
+        try:
+            size = sum(f.stat().st_size for f in path.iterdir())
+            rows.append((path, size, path.stat().st_mtime))
+        except OSError:
+            continue
+    return rows
+
+
+def prune(limit: int | None = None, *, keep: Path | None = None) -> int:
+    """Remove least recently used copies until the store fits `limit` (default: the configured bound).
+    Returns the bytes removed. The copy `keep` (the one just fetched) always stays."""
+    limit = max_bytes() if limit is None else limit
+    if limit <= 0:
+        return 0
+    rows = sorted(entries(), key=lambda r: r[2])
+    total, removed = sum(r[1] for r in rows), 0
+    for path, size, _ in rows:
+        if total <= limit:
+            break
+        if keep is not None and path == keep:
+            continue
+        gone = path.with_name(f".{path.name}{store.TMP_MARK}{os.getpid()}-evict-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(path, gone)  # one step: readers see the copy or nothing
+        except OSError:
+            continue
+        shutil.rmtree(gone, ignore_errors=True)
+        total -= size
+        removed += size
+    return removed
+
+
+def clear() -> int:
+    """Remove every stored copy; returns the bytes removed."""
+    return prune(1)

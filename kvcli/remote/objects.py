@@ -1,0 +1,204 @@
+"""Caches and documents at fsspec URLs: read manifests, list caches, upload with the manifest last.
+
+Any fsspec URL works (s3://, gs://, az://, hf://, https://, memory://, file://); hf:// and
+http(s):// are read-only. Credentials come from wherever the backend finds them (environment,
+~/.aws, fsspec configuration); kvcli passes none, stores none, and strips user:password@ from
+every URL it prints.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import READ_ONLY_SCHEMES, scheme
+from ..documents import MAX_DOCUMENT_BYTES, Document, decode
+from ..errors import CacheExistsError, CacheMissingError, DocumentError, KvcliError, UsageError
+from ..format import manifest as mf
+from ..format.writing import _test_point
+
+INSTALL_HINT = "object stores need the optional extra: pip install 'kvcli[remote]'"
+_USERINFO = re.compile(r"(://)[^/@\s]+@")
+
+
+def redact(text: str) -> str:
+    """`text` with any user:password@ of a URL removed (credentials never reach a message)."""
+    return _USERINFO.sub(r"\1", text)
+
+
+def join(url: str, name: str) -> str:
+    return url.rstrip("/") + "/" + name
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path inside it) for a URL; a fresh instance so no stale listing is reused."""
+    try:
+        from fsspec.core import url_to_fs
+    except ImportError:
+        raise KvcliError(f"{redact(url)}: fsspec is not installed", hint=INSTALL_HINT) from None
+    try:
+        fs, path = url_to_fs(url)
+    except ImportError as exc:
+        raise KvcliError(f"{redact(url)}: no fsspec backend for {scheme(url)}:// ({exc})", hint=INSTALL_HINT) from None
+    except ValueError as exc:
+        raise UsageError(f"{redact(url)}: not a usable URL ({exc})") from None
+    fs.invalidate_cache()
+    return fs, path
+
+
+@contextmanager
+def _failures(url: str, missing: type[KvcliError] = CacheMissingError, what: str = "no cache here") -> Iterator[None]:
+    """Map backend exceptions (botocore, aiohttp, OSError) to one kvcli error naming the URL."""
+    try:
+        yield
+    except KvcliError:
+        raise
+    except FileNotFoundError:
+        raise missing(f"{redact(url)}: {what}") from None
+    except PermissionError as exc:
+        raise KvcliError(f"{redact(url)}: permission denied ({redact(str(exc))})", hint="check the credentials your object store client uses") from None
+    except Exception as exc:  # network, auth, bucket errors: the backend's own words, credentials stripped
+        raise KvcliError(f"{redact(url)}: {exc.__class__.__name__}: {redact(str(exc))}") from None
+
+
+def check_writable(url: str) -> None:
+    if scheme(url) in READ_ONLY_SCHEMES:
+        raise UsageError(f"{redact(url)}: {scheme(url)}:// is read-only for kvcli; write to s3://, gs://, az://, file:// or a folder")
+
+
+def read_bytes(url: str, limit: int, *, missing: type[KvcliError] = CacheMissingError, what: str = "not found") -> bytes:
+    """At most limit + 1 bytes of the object at `url` (so a caller can tell an oversized one)."""
+    fs, path = filesystem(url)
+    with _failures(url, missing, what), fs.open(path, "rb") as f:
+        return f.read(limit + 1)
+
+
+def manifest_bytes(url: str) -> bytes:
+    where = join(url, mf.MANIFEST_NAME)
+    raw = read_bytes(where, mf.MAX_MANIFEST_BYTES, what=f"no {mf.MANIFEST_NAME} (no cache here, or an upload that did not finish)")
+    if len(raw) > mf.MAX_MANIFEST_BYTES:
+        raise CacheMissingError(f"{redact(where)}: manifest is implausibly large")
+    return raw
+
+
+def read_manifest(url: str) -> mf.Manifest:
+    """The validated manifest of the cache at `url` (no shard is read)."""
+    return mf.parse(manifest_bytes(url), redact(join(url, mf.MANIFEST_NAME)))
+
+
+def shard_sizes(url: str) -> dict[str, int]:
+    """File name -> size of the objects directly under `url`."""
+    fs, path = filesystem(url)
+    with _failures(url):
+        return {_basename(e["name"]): int(e.get("size") or 0) for e in fs.ls(path, detail=True) if e.get("type") != "directory"}
+
+
+def _basename(key: str) -> str:
+    """The last part of an object key or path."""
+    return key.rstrip("/").rpartition("/")[2]
+
+
+def read_document(entry: str, encoding: str = "utf-8") -> Document:
+    """A document from a URL (fetched whole, bounded), checked like a local one."""
+    data = read_bytes(entry, MAX_DOCUMENT_BYTES, missing=DocumentError, what="no such document")
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise DocumentError(f"{redact(entry)}: larger than {MAX_DOCUMENT_BYTES // (1024 * 1024)} MiB")
+    return decode(data, redact(entry), encoding)
+
+
+def upload(local: Path, url: str, *, force: bool) -> None:
+    """Copy a finished local cache to `url`: shards first, the manifest last.
+
+    A reader sees the old cache, no cache, or the new one complete; never a partial one. When
+    replacing, the old manifest goes first, so old and new files are never read as one cache (a
+    reader that fetched the old manifest just before finds shards that fail their sha256: exit 3).
+    """
+    check_writable(url)
+    m = mf.parse((local / mf.MANIFEST_NAME).read_bytes(), str(local / mf.MANIFEST_NAME))
+    fs, root = filesystem(url)
+    manifest = join(root, mf.MANIFEST_NAME)
+    with _failures(url):
+        if fs.exists(manifest):
+            if not force:
+                raise CacheExistsError(f"{redact(url)}: already exists (use --force to replace it)")
+            fs.rm_file(manifest)
+        keep = {entry.file for entry in m.layers}
+        try:
+            stale = [e for e in fs.ls(root, detail=False) if _basename(e).startswith("layer_") and _basename(e) not in keep]
+        except FileNotFoundError:
+            stale = []
+        for name in stale:
+            fs.rm_file(name)
+        for entry in m.layers:
+            fs.put_file(str(local / entry.file), join(root, entry.file))
+            _test_point(f"uploaded:{entry.file}")
+        fs.put_file(str(local / mf.MANIFEST_NAME), manifest)  # last: from here on the cache exists
+    _test_point("uploaded:manifest.json")
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    """A cache at an fsspec URL, for corpus runs: built in a local temporary folder, then uploaded."""
+
+    url: str
+
+    @property
+    def name(self) -> str:
+        return redact(self.url)
+
+    def current(self) -> mf.Manifest | None:
+        """The manifest there, if it parses and every shard it names is present at its size."""
+        try:
+            m = read_manifest(self.url)
+            sizes = shard_sizes(self.url)
+        except KvcliError:
+            return None
+        if any(sizes.get(e.file) != e.stored_bytes for e in m.layers):
+            return None
+        return m
+
+    def write(self, lm: Any, document: Document, *, force: bool, **options: Any):
+        from ..engine import prefilling
+
+        check_writable(self.url)
+        with tempfile.TemporaryDirectory(prefix="kvcli-upload-") as tmp:
+            r = prefilling.prefill(lm, document, Path(tmp) / "cache.kv", **options)
+            upload(r.path, self.url, force=force)
+        return r
+
+
+def list_caches(url: str) -> list[dict[str, Any]]:
+    """`kvcli ls URL`: every cache directly under `url` (or `url` itself), broken ones flagged."""
+    from ..format import catalog
+
+    fs, path = filesystem(url)
+    with _failures(url, KvcliError, "no such folder"):
+        names = {_basename(e["name"]): e for e in fs.ls(path, detail=True)}
+    if mf.MANIFEST_NAME in names:
+        candidates = [url]
+    else:
+        candidates = sorted(join(url, n) for n, e in names.items() if e.get("type") == "directory" and n.endswith(".kv"))
+    rows = []
+    for cache in candidates:
+        try:
+            m = read_manifest(cache)
+        except KvcliError as exc:
+            rows.append({"path": redact(cache), "error": str(exc)})
+            continue
+        rows.append({**catalog.summary(redact(cache), m), "age_s": _age(m)})
+    return rows
+
+
+def _age(m: mf.Manifest) -> float | None:
+    """Seconds since the manifest's `created` time (object stores keep no reliable folder times)."""
+    import time
+    from datetime import datetime
+
+    try:
+        return max(0.0, time.time() - datetime.fromisoformat(m.created).timestamp())
+    except ValueError:
+        return None
