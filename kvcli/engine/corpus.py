@@ -216,12 +216,13 @@ def run(
                     raise CacheExistsError(f"{job.target.name}: already exists (use --force to replace it)")
             cm = progress_for(job) if progress_for else None
             options = dict(system=system, framing=framing, chunk_size=chunk_size)
+            replace = force or incremental  # a corpus run replaces a stale or broken cache (never a folder that is no cache)
             try:
                 if cm is None:
-                    r = job.target.write(lm, document, force=current is not None or force, **options)
+                    r = job.target.write(lm, document, force=replace, **options)
                 else:
                     with cm as update:
-                        r = job.target.write(lm, document, force=current is not None or force, progress=update, **options)
+                        r = job.target.write(lm, document, force=replace, progress=update, **options)
             except CacheExistsError:
                 now = job.target.current()  # written meanwhile by another process
                 if incremental and now is not None and up_to_date(now, lm, document, record):
