@@ -121,7 +121,7 @@ def upload(local: Path, url: str, *, force: bool) -> None:
     m = mf.parse((local / mf.MANIFEST_NAME).read_bytes(), str(local / mf.MANIFEST_NAME))
     fs, root = filesystem(url)
     manifest = join(root, mf.MANIFEST_NAME)
-    with _failures(url):
+    with _failures(url, KvcliError, "upload failed (no such folder or bucket)"):
         if fs.exists(manifest):
             if not force:
                 raise CacheExistsError(f"{redact(url)}: already exists (use --force to replace it)")
@@ -133,6 +133,7 @@ def upload(local: Path, url: str, *, force: bool) -> None:
             stale = []
         for name in stale:
             fs.rm_file(name)
+        fs.makedirs(root, exist_ok=True)  # a real folder for file://; nothing (or the bucket) for object stores
         for entry in m.layers:
             fs.put_file(str(local / entry.file), join(root, entry.file))
             _test_point(f"uploaded:{entry.file}")
