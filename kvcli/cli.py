@@ -155,31 +155,24 @@ def prefill(
 def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shard: Optional[str], output: Optional[str], *,
                     model, revision, system, framing, chunk_size, dtype, device, encoding, force, trust_remote_code, json_out) -> int:
     """Documents from a list and/or URLs, this process's share, one result line each (library: engine.corpus)."""
-    from . import documents
     from .engine import corpus, models, prefilling as pf
-    from .remote import is_url
+    from .remote import placement
 
     entries = list(dict.fromkeys(docs + (corpus.read_list(from_list) if from_list is not None else [])))
     if "-" in entries:
         raise UsageError("with --from-list or URLs, documents are files or URLs, not stdin ('-')")
     share = corpus.parse_shard(shard) if shard else (corpus.shard_from_env() if from_list is not None else None)
-    jobs = corpus.plan(entries, _corpus_target(output, single=from_list is None and len(entries) == 1))
+    jobs = corpus.plan(entries, placement.target_for(output, single=from_list is None and len(entries) == 1))
     if share:
         jobs = corpus.share(jobs, *share)
     label = f" (shard {share[0]}/{share[1]})" if share else ""
     if not jobs:
         out.note(f"no documents to prefill{label}")
         return 0
-    if any(is_url(j.document) for j in jobs):
-        from .remote import objects
-
-        read = functools.partial(objects.read_document, encoding=encoding)
-    else:
-        read = functools.partial(documents.read, encoding=encoding)
     with out.status("loading model"):
         lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     counts = {"built": 0, "skipped": 0, "failed": 0}
-    results = corpus.run(lm, jobs, read=read, system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK,
+    results = corpus.run(lm, jobs, read=placement.reader(encoding), system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK,
                          force=force, incremental=from_list is not None,
                          progress_for=lambda job: out.progress(f"prefill {job.document}"))
     for r in results:
@@ -192,40 +185,6 @@ def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shar
             out.note(f"{r.cache}: {r.status} ({r.tokens:,} tokens, {r.seconds:.1f} s)")
     out.note(f"{counts['built']} built, {counts['skipped']} skipped, {counts['failed']} failed of {len(jobs)} documents{label}")
     return 1 if counts["failed"] else 0
-
-
-def _corpus_target(output: Optional[str], *, single: bool):
-    """entry -> where its cache goes: next to it, in folder -o, or under the URL prefix -o."""
-    from .engine import corpus
-    from .remote import is_url
-
-    if output is not None and is_url(output):
-        from .remote import objects
-
-        objects.check_writable(output)
-        if single and not output.endswith("/"):
-            return lambda entry: objects.RemoteTarget(output)
-        return lambda entry: objects.RemoteTarget(objects.join(output, corpus.cache_name(entry)))
-    if output is not None:
-        folder = Path(output)
-        if single and not (folder.is_dir() and not _is_cache(folder)):
-            return lambda entry: corpus.LocalTarget(folder)
-        if not folder.is_dir():
-            raise UsageError(f"{folder}: with several documents or --from-list, -o must be an existing folder")
-        return lambda entry: corpus.LocalTarget(folder / corpus.cache_name(entry))
-
-    def beside(entry: str):
-        if is_url(entry):
-            raise UsageError(f"{entry}: a document given as a URL needs -o (a folder or an object-store URL)")
-        return corpus.LocalTarget(Path(entry).parent / corpus.cache_name(entry))
-
-    return beside
-
-
-def _is_cache(path: Path) -> bool:
-    from .format.store import is_cache
-
-    return is_cache(path)
 
 
 def _prefill_targets(docs: list[str], output: Optional[Path]) -> list[tuple[str, Path]]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from ..documents import Document
@@ -28,6 +28,7 @@ from .models import LoadedModel
 FINGERPRINT_KEYS = ("model_type", "config_sha256", "weights_sha256", "tokenizer_sha256", "chat_template_sha256",
                     "dtype", "num_layers", "num_kv_heads", "head_dim", "max_positions")
 FRAMING_KEYS = ("kind", "system", "version", "template_sha256")
+T = TypeVar("T")
 COUNT_VARIABLE = "KVCLI_SHARD_COUNT"  # Kubernetes sets JOB_COMPLETION_INDEX but not the count: set this to `completions`
 
 
@@ -140,9 +141,9 @@ def shard_from_env(env: Mapping[str, str] = os.environ) -> tuple[int, int] | Non
     return i, n
 
 
-def share(entries: list[str], index: int, count: int) -> list[str]:
+def share(entries: Sequence[T], index: int, count: int) -> list[T]:
     """This process's share: entries index, index + count, index + 2*count, ... of the whole list."""
-    return entries[index::count]
+    return list(entries[index::count])
 
 
 def cache_name(entry: str) -> str:

@@ -84,7 +84,7 @@ def _complete(local: Path, m: mf.Manifest) -> bool:
 def _download(fs, remote: str, dest: Path, entry: mf.LayerEntry, where: str) -> None:
     """Stream one shard to `dest`, refusing it (exit 3) unless its size and sha256 match the manifest."""
     digest, got = hashlib.sha256(), 0
-    with objects._failures(where, CacheCorruptError, "shard is missing"), fs.open(remote, "rb") as src, open(dest, "xb") as out:
+    with objects.failures(where, CacheCorruptError, "shard is missing"), fs.open(remote, "rb") as src, open(dest, "xb") as out:
         while got <= entry.stored_bytes:
             chunk = src.read(min(_CHUNK, entry.stored_bytes + 1 - got))
             if not chunk:

@@ -51,7 +51,7 @@ def filesystem(url: str) -> tuple[Any, str]:
 
 
 @contextmanager
-def _failures(url: str, missing: type[KvcliError] = CacheMissingError, what: str = "no cache here") -> Iterator[None]:
+def failures(url: str, missing: type[KvcliError] = CacheMissingError, what: str = "no cache here") -> Iterator[None]:
     """Map backend exceptions (botocore, aiohttp, OSError) to one kvcli error naming the URL."""
     try:
         yield
@@ -73,7 +73,7 @@ def check_writable(url: str) -> None:
 def read_bytes(url: str, limit: int, *, missing: type[KvcliError] = CacheMissingError, what: str = "not found") -> bytes:
     """At most limit + 1 bytes of the object at `url` (so a caller can tell an oversized one)."""
     fs, path = filesystem(url)
-    with _failures(url, missing, what), fs.open(path, "rb") as f:
+    with failures(url, missing, what), fs.open(path, "rb") as f:
         return f.read(limit + 1)
 
 
@@ -93,7 +93,7 @@ def read_manifest(url: str) -> mf.Manifest:
 def shard_sizes(url: str) -> dict[str, int]:
     """File name -> size of the objects directly under `url`."""
     fs, path = filesystem(url)
-    with _failures(url):
+    with failures(url):
         return {_basename(e["name"]): int(e.get("size") or 0) for e in fs.ls(path, detail=True) if e.get("type") != "directory"}
 
 
@@ -121,7 +121,7 @@ def upload(local: Path, url: str, *, force: bool) -> None:
     m = mf.parse((local / mf.MANIFEST_NAME).read_bytes(), str(local / mf.MANIFEST_NAME))
     fs, root = filesystem(url)
     manifest = join(root, mf.MANIFEST_NAME)
-    with _failures(url, KvcliError, "upload failed (no such folder or bucket)"):
+    with failures(url, KvcliError, "upload failed (no such folder or bucket)"):
         if fs.exists(manifest):
             if not force:
                 raise CacheExistsError(f"{redact(url)}: already exists (use --force to replace it)")
@@ -177,7 +177,7 @@ def list_caches(url: str) -> list[dict[str, Any]]:
     from ..format import catalog
 
     fs, path = filesystem(url)
-    with _failures(url, KvcliError, "no such folder"):
+    with failures(url, KvcliError, "no such folder"):
         names = {_basename(e["name"]): e for e in fs.ls(path, detail=True)}
     if mf.MANIFEST_NAME in names:
         candidates = [url]
