@@ -149,6 +149,8 @@ def test_round_trip_and_no_second_download(s3, bucket, docs, tiny_model_dir, tmp
             s3.rm(key)
     assert answer_ids(f"{prefix}doc0.kv") == expected
 
+    assert_clean_error(run("ls", f"s3://{bucket}-missing/"), 1, "no such folder")
+    assert_clean_error(run("info", f"{prefix}none.kv"), 3, "no manifest.json")
     again = run("prefill", docs[0], "-o", f"{prefix}doc0.kv", "--model", tiny_model_dir)
     assert again.exit_code == 1 and "already exists (use --force" in again.stderr
 
