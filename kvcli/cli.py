@@ -352,7 +352,7 @@ def verify(
     worst = 0
     for path in caches:
         try:
-            m = store.verify(_local_cache(path, out))  # a URL: downloaded (every shard's sha256 checked), then decoded
+            m = _verify(path)
         except KvcliError as exc:
             worst = max(worst, exc.exit_code)
             out.json_line({"cache": _shown(path), "ok": False, "error": str(exc)}) if json_out else out.error(exc)
@@ -362,6 +362,18 @@ def verify(
         else:
             out.note(f"{_shown(path)}: ok ({len(m.layers)} layers, {m.num_tokens:,} tokens)")
     return worst
+
+
+def _verify(path: str):
+    """A local cache, or a remote one as it is in its store (never the local copy ask uses)."""
+    from .format import store
+    from .remote import is_url
+
+    if not is_url(path):
+        return store.verify(path)
+    from .remote import objects
+
+    return objects.verify(path)
 
 
 @command

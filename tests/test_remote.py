@@ -142,12 +142,14 @@ def test_round_trip_and_no_second_download(s3, bucket, docs, tiny_model_dir, tmp
     assert run("prefill", docs[0], "-o", local, "--model", tiny_model_dir).exit_code == 0
     expected = answer_ids(str(local))
     assert answer_ids(f"{prefix}doc0.kv") == expected  # from the object store, token for token
-    assert len(local_store.entries()) == 2  # verify stored both; ask reused doc0's copy
+    assert len(local_store.entries()) == 1  # verify read the bucket itself; ask stored one copy
 
     for key in s3.ls(f"{bucket}/caches/doc0.kv"):  # shards gone from the bucket: a second ask must not need them
         if "layer_" in key:
             s3.rm(key)
     assert answer_ids(f"{prefix}doc0.kv") == expected
+    gone = run("verify", f"{prefix}doc0.kv")  # verify checks the bucket, not the local copy
+    assert gone.exit_code == 3 and "layer_000.safetensors.zst: shard is missing" in gone.stderr
 
     assert_clean_error(run("ls", f"s3://{bucket}-missing/"), 1, "no such folder")
     assert_clean_error(run("info", f"{prefix}none.kv"), 3, "no manifest.json")

@@ -8,6 +8,7 @@ every URL it prints.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tempfile
 from contextlib import contextmanager
@@ -139,6 +140,27 @@ def upload(local: Path, url: str, *, force: bool) -> None:
             _test_point(f"uploaded:{entry.file}")
         fs.put_file(str(local / mf.MANIFEST_NAME), manifest)  # last: from here on the cache exists
     _test_point("uploaded:manifest.json")
+
+
+def verify(url: str) -> mf.Manifest:
+    """Check the cache as it is in the store (not a local copy): manifest, then every shard's size,
+    sha256 and decoded layout, one shard in memory at a time. Raises CacheError naming the first bad file."""
+    from ..errors import CacheCorruptError
+    from ..format import store
+
+    m = read_manifest(url)
+    fs, base = filesystem(url)
+    for entry in m.layers:
+        where = join(redact(url), entry.file)
+        with failures(where, CacheCorruptError, "shard is missing"), fs.open(join(base, entry.file), "rb") as f:
+            data = f.read(entry.stored_bytes + 1)
+        if len(data) != entry.stored_bytes:
+            raise CacheCorruptError(f"{where}: {len(data)} bytes in the store, manifest says {entry.stored_bytes} (truncated or extended)")
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise CacheCorruptError(f"{where}: checksum mismatch (the shard in the object store is damaged or was changed)")
+        store.check_payload(data, where=where, transform=m.transform, dtype=m.dtype, key_shape=entry.key_shape,
+                            value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes)
+    return m
 
 
 @dataclass(frozen=True)
