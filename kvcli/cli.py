@@ -346,8 +346,6 @@ def verify(
     quiet: QuietOpt = False,
 ) -> int:
     """Check every shard of each cache against its manifest (no model needed). Exit 3 if any is bad."""
-    from .format import store
-
     out = Output(quiet=quiet)
     worst = 0
     for path in caches:
