@@ -22,6 +22,7 @@ _LAZY = {
     "Answer": ("kvcli.engine.answer", "Answer"),
     "GenerationOptions": ("kvcli.engine.answer", "GenerationOptions"),
     "ask": ("kvcli.engine.answer", "ask"),
+    "Check": ("kvcli.engine.check", "Check"),
     "verify": ("kvcli.format.store", "verify"),
     "read_manifest": ("kvcli.format.store", "read_manifest"),
 }

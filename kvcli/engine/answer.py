@@ -17,6 +17,7 @@ from . import framing as fr, restore
 
 from ..format import store
 from ..errors import GenerationError
+from .check import Check
 from .models import LoadedModel
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -36,9 +37,13 @@ class Answer:
     total_s: float
     finish_reason: str  # "stop" (end of turn or stop string) or "length"
     cache: str = ""
+    check: Check | None = None  # with ask(check=True): this answer measured against a full recompute
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        body = asdict(self)
+        if self.check is None:
+            del body["check"]
+        return body
 
 
 @dataclass
@@ -124,8 +129,12 @@ class Session:
     def prompt_ids(self, question: str) -> list[int]:
         return self.token_ids + fr.question_ids(self.lm.tokenizer, self.framing, question)
 
-    def ask(self, question: str, options: GenerationOptions | None = None, on_text: TokenFn | None = None) -> Answer:
-        """Answer one question; on_text receives the answer's text as it is generated."""
+    def ask(self, question: str, options: GenerationOptions | None = None, on_text: TokenFn | None = None,
+            *, check: bool = False) -> Answer:
+        """Answer one question; on_text receives the answer's text as it is generated.
+
+        check=True also runs the prompt and answer through the model once without any cache and fills
+        Answer.check (see engine/check.py): it costs a full recompute of the document."""
         import torch
 
         opts = options or GenerationOptions()
@@ -155,6 +164,8 @@ class Session:
                 torch.manual_seed(opts.seed)
         if opts.stop:
             kwargs.update(stop_strings=list(opts.stop), tokenizer=tok)
+        if check:  # the raw logits of every answer step, before any processor: what --check compares
+            kwargs.update(output_logits=True, return_dict_in_generate=True)
         if model.generation_config.pad_token_id is None and tok.pad_token_id is None:
             kwargs["pad_token_id"] = tok.eos_token_id
         input_ids = torch.tensor([prompt], device=self.lm.device)  # [1, cached + appended]
@@ -170,11 +181,21 @@ class Session:
                 )
         finally:
             hook.remove()
+        logits = None
+        if check:
+            logits = torch.cat(out.logits, dim=0) if out.logits else None  # [answer, vocab]
+            out = out.sequences
         answer_ids = [int(t) for t in out[0, len(prompt) :].tolist()]
         text = stream.text()
         eos = model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         done_by_stop = stream.stopped or (answer_ids and answer_ids[-1] in eos)
+        total_s = time.perf_counter() - start
+        checked = None
+        if check:
+            from . import check as ck
+
+            checked = ck.compare(self.lm, prompt, answer_ids, logits) if logits is not None else ck.compare(self.lm, prompt, [], None)
         return Answer(
             question=question,
             answer=text,
@@ -184,9 +205,10 @@ class Session:
             new_tokens=len(prompt) - cached,
             processed_tokens=counted[0],
             ttft_s=(stream.first_token_at - start) if stream.first_token_at else None,
-            total_s=time.perf_counter() - start,
+            total_s=total_s,
             finish_reason="stop" if done_by_stop or len(answer_ids) < max_new else "length",
             cache=str(self.path),
+            check=checked,
         )
 
 
@@ -227,7 +249,8 @@ class ModelPool:
         return self._loaded[key]
 
 
-def ask(lm: LoadedModel, cache: str | os.PathLike, questions: Sequence[str], options: GenerationOptions | None = None) -> list[Answer]:
-    """Convenience: open a cache and answer several questions from it."""
+def ask(lm: LoadedModel, cache: str | os.PathLike, questions: Sequence[str], options: GenerationOptions | None = None,
+        *, check: bool = False) -> list[Answer]:
+    """Convenience: open a cache and answer several questions from it (check: see Session.ask)."""
     session = Session(lm, cache)
-    return [session.ask(q, options) for q in questions]
+    return [session.ask(q, options, check=check) for q in questions]
