@@ -1,7 +1,8 @@
 """The kvcli command line: parse, call the library, render. Heavy modules load inside commands.
 
 Exit codes: 0 success; 1 other failure; 2 usage error; 3 cache missing, corrupt, of an unknown
-format version, or not matching the model (rebuild it); 130 interrupted.
+format version, or not matching the model (rebuild it); 4 `ask --check` found an answer that differs
+from a full recompute (answers still printed); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Annotated, Optional
 import typer
 
 from . import __version__
-from .errors import KvcliError, UsageError
+from .errors import CHECK_DIFFERS_EXIT, KvcliError, UsageError
 from .output import Output, debug_enabled, human_bytes
 
-EXIT_CODES = "Exit codes: 0 ok, 1 failure, 2 usage error, 3 cache missing/corrupt/stale (rebuild it)."
+EXIT_CODES = ("Exit codes: 0 ok, 1 failure, 2 usage error, 3 cache missing/corrupt/stale (rebuild it), "
+              "4 ask --check: an answer differs from a full recompute.")
 app = typer.Typer(
     help=f"Prefill a long document once into a compressed KV cache, then ask it many questions. {EXIT_CODES}",
     no_args_is_help=True,
@@ -217,6 +219,8 @@ def ask(
     dtype: Annotated[Optional[str], typer.Option(help="Compute dtype (default: the cache's).")] = None,
     convert_dtype: Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")] = False,
     null: Annotated[bool, typer.Option("--null", "-0", help="End each plain answer with a NUL byte instead of a newline.")] = False,
+    check: Annotated[bool, typer.Option("--check", help="Also run each prompt and answer once without the cache and compare logits "
+                                        "(costs a full recompute of the document per question); exit 4 if an answer differs.")] = False,
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -235,6 +239,7 @@ def ask(
         raise UsageError("--trust-remote-code needs an explicit --model: a cache must not choose whose code runs")
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     first_error: Optional[KvcliError] = None
+    differs = False
     for path in cache:
         try:
             local = _local_cache(path, out)
@@ -250,13 +255,19 @@ def ask(
             continue
         for q in qs:
             stream = None if json_out else out.write
-            a = session.ask(q, opts, on_text=stream)
+            a = session.ask(q, opts, on_text=stream, check=check)
             a.cache = _shown(path)
             if json_out:
                 out.json_line(a.to_json())
             else:
                 out.write("\0" if null else "\n")
-    return first_error.exit_code if first_error else 0
+            if a.check is not None:
+                differs = differs or not a.check.identical
+                if not json_out:
+                    out.note(f"kvcli: check: {_shown(path)}: {a.check.describe()}")
+    if first_error:
+        return first_error.exit_code
+    return CHECK_DIFFERS_EXIT if differs else 0
 
 
 def _local_cache(path: str, out: Output) -> Path:
@@ -330,6 +341,10 @@ def info(
     head.add_row("document", Text(f"{m.document.get('name')} ({m.document.get('chars'):,} chars)"))
     head.add_row("framing", Text(f"{m.framing.get('kind')}" + (f", system: {m.framing['system']!r}" if m.framing.get("system") else "")))
     head.add_row("size", f"{human_bytes(s['bytes_on_disk'])} on disk, {human_bytes(s['bytes_raw'])} raw ({s['ratio']:.1%})")
+    prov = s["provenance"]
+    head.add_row("built with", Text(f"torch {prov.get('torch_version')}, {prov.get('device_type')}, attention "
+                                    f"{prov.get('attn_implementation')}, transformers {s['transformers_version']}" if prov
+                                    else f"transformers {s['transformers_version']} (torch, device, attention not recorded)"))
     out.table(head)
     table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")
     for row in catalog.layer_rows(m):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# Not an error: `kvcli ask --check` printed every answer, and at least one differs from a full recompute.
+CHECK_DIFFERS_EXIT = 4
+
 
 class KvcliError(Exception):
     """Base of every error kvcli reports to a user: a one-line message and an exit code."""

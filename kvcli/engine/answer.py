@@ -118,7 +118,7 @@ class Session:
             restore.check_fits(self.manifest, lm, str(self.path), convert_dtype=convert_dtype)
             self.states = restore.load_states(opened, device=lm.device, dtype=lm.dtype)
         self.framing = fr.Framing(kind=self.manifest.framing["kind"], system=self.manifest.framing.get("system"))
-        self.warnings = _version_warnings(self.manifest, self.path)
+        self.warnings = _version_warnings(self.manifest, self.path) + _provenance_warnings(self.manifest, lm, self.path)
         self.load_s = time.perf_counter() - t0
         self._unreported_load = self.load_s
 
@@ -220,6 +220,22 @@ def _version_warnings(manifest, path: Path) -> list[str]:
     if built.split(".")[:2] != now.split(".")[:2]:
         return [f"{path}: built with transformers {built}, running {now}; if answers look off, rebuild the cache"]
     return []
+
+
+def _provenance_warnings(manifest, lm: LoadedModel, path: Path) -> list[str]:
+    """Keys/values computed by another torch build, device or attention kernel: answers may differ at near-ties."""
+    from .prefilling import provenance
+
+    built = manifest.provenance
+    if not built:
+        return []
+    now = provenance(lm)
+    labels = {"torch_version": "torch", "device_type": "device", "attn_implementation": "attention"}
+    diffs = [f"{labels[k]} {built[k]} (running {now[k]})" for k in labels if built.get(k) is not None and built[k] != now[k]]
+    if not diffs:
+        return []
+    return [f"{path}: built with {', '.join(diffs)}; answers may differ where the top two logits nearly tie "
+            "(--check measures it)"]
 
 
 class ModelPool:

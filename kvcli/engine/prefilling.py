@@ -108,6 +108,7 @@ def prefill(
             token_ids=ids,
             compression={"codec": "zstd", "level": level, "transform": transform},
             layers=entries,
+            provenance=provenance(lm),
         )
         writing.write_file(tmp, mf.MANIFEST_NAME, manifest.dumps())  # written last: no manifest, no cache
     return PrefillResult(path=out, manifest=manifest, compute_s=t1 - t0, write_s=time.perf_counter() - t1)
@@ -146,6 +147,17 @@ def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: i
         if entry.seq_length != num_tokens:
             raise RuntimeError(f"layer {entry.index} counted {entry.seq_length} tokens, expected {num_tokens}")
     return entries
+
+
+def provenance(lm: LoadedModel) -> dict[str, str]:
+    """What computes the keys/values here: torch build, device type, attention implementation."""
+    import torch
+
+    return {
+        "torch_version": torch.__version__,
+        "device_type": lm.device.type,
+        "attn_implementation": str(getattr(lm.model.config, "_attn_implementation", None) or "unknown"),
+    }
 
 
 def _transformers_version() -> str:

@@ -47,12 +47,42 @@ def check_fits(manifest: mf.Manifest, lm: LoadedModel, where: str, *, convert_dt
     if diffs:
         name = want.get("source", {}).get("name", want.get("name"))
         raise CacheMismatchError(f"{where}: built for another model ({name}): differs in {', '.join(diffs)}")
+    _check_token_ids(manifest, lm, where)
     plan = layers.plan(lm.model.config)
     for layer, (kind, window) in zip(manifest.layers, plan):
         if (layer.kind, layer.sliding_window) != (kind, window):
             raise CacheMismatchError(
                 f"{where}: layer {layer.index} is {layer.kind} (window {layer.sliding_window}) in the cache, "
                 f"{kind} (window {window}) in the model"
+            )
+
+
+def vocab_limit(lm: LoadedModel) -> int | None:
+    """How many token ids the model and its tokenizer can produce: the smaller of the tokenizer's size and
+    the embedding's rows (an embedding padded past the tokenizer has rows no tokenizer output selects)."""
+    sizes = []
+    try:
+        sizes.append(len(lm.tokenizer))
+    except TypeError:
+        pass
+    embed = lm.model.get_input_embeddings() if hasattr(lm.model, "get_input_embeddings") else None
+    rows = getattr(embed, "num_embeddings", None)
+    if isinstance(rows, int):
+        sizes.append(rows)
+    return min(sizes) if sizes else None
+
+
+def _check_token_ids(manifest: mf.Manifest, lm: LoadedModel, where: str) -> None:
+    """Refuse cached ids the tokenizer cannot have produced (a forged manifest): an id past the embedding
+    would crash the recompute of --check, and one in padded rows would answer from a prompt no text gives."""
+    limit = vocab_limit(lm)
+    if limit is None or max(manifest.token_ids) < limit:
+        return
+    for i, t in enumerate(manifest.token_ids):
+        if t >= limit:
+            raise CacheMismatchError(
+                f"{where}: token id {t} at position {i} is outside the model's vocabulary of {limit} ids "
+                "(no tokenizer output; the manifest was forged or built for another model)"
             )
 
 

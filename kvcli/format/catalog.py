@@ -33,6 +33,7 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "created": m.created,
         "kvcli_version": m.kvcli_version,
         "transformers_version": m.transformers_version,
+        "provenance": m.provenance,  # None for caches written before it was recorded
     }
 
 

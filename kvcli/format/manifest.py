@@ -32,7 +32,10 @@ MAX_TEXT = 4096  # names, versions, hashes, paths: anything longer is not someth
 # C0/C1 control characters (ESC starts terminal escape sequences): never in a name kvcli writes or prints.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _TOP_KEYS = {"format", "format_version", "manifest_sha256", "kvcli_version", "transformers_version", "created",
-             "model", "framing", "document", "token_ids", "compression", "layers"}
+             "model", "framing", "document", "token_ids", "compression", "layers", "provenance"}
+# What computed the keys/values (optional: caches written before 0.1 provenance lack it). Other kernels
+# give logits that differ in the last bits, which can flip a greedy token where the top two nearly tie.
+PROVENANCE_KEYS = ("torch_version", "device_type", "attn_implementation")
 _LAYER_KEYS = {"index", "kind", "cached_length", "seq_length", "sliding_window", "file", "key_shape", "value_shape",
                "raw_bytes", "decoded_bytes", "stored_bytes", "sha256"}
 _SOURCE_FIELDS = {"default": ("path", "sha256"), "gguf": ("path", "sha256"), "folder": ("path",), "hub": ("id",), "object": ()}
@@ -71,6 +74,7 @@ class Manifest:
     token_ids: list[int]
     compression: dict[str, Any]  # codec, level, transform
     layers: list[LayerEntry] = field(default_factory=list)
+    provenance: dict[str, str] | None = None  # torch_version, device_type, attn_implementation
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +98,8 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         body = {"format": FORMAT_NAME, **asdict(self)}
+        if body["provenance"] is None:
+            del body["provenance"]  # an older manifest re-serialised keeps its checksum
         for layer in body["layers"]:
             layer["key_shape"] = list(layer["key_shape"])
             layer["value_shape"] = list(layer["value_shape"])
@@ -235,6 +241,7 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
     if len(layers_raw) != model["num_layers"]:
         raise _bad(where, f"{len(layers_raw)} layers listed, model has {model['num_layers']}")
     layers = [_layer(entry, i, len(token_ids), model, where) for i, entry in enumerate(layers_raw)]
+    provenance = _provenance(body, where)
     return Manifest(
         format_version=version,
         kvcli_version=body["kvcli_version"],
@@ -246,7 +253,21 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
         token_ids=token_ids,
         compression=compression,
         layers=layers,
+        provenance=provenance,
     )
+
+
+def _provenance(body: dict, where: str) -> dict[str, str] | None:
+    """The optional provenance object: known keys only, each a short plain string."""
+    prov = _get(body, "provenance", dict, where, optional=True)
+    if prov is None:
+        return None
+    unknown = sorted(set(prov) - set(PROVENANCE_KEYS))
+    if unknown:
+        raise _bad(where, f"unknown provenance field {unknown[0]!r}")
+    for key in PROVENANCE_KEYS:
+        _str(prov, f"provenance.{key}", where, optional=True)
+    return dict(prov)
 
 
 def _source(source: dict, where: str) -> None:
