@@ -7,7 +7,9 @@ For each document length it times, on the same framed token ids:
   (torch.save of the per-layer tensors, torch.load back),
 - time to first answer token for questions with the cache (a fresh Session per question, so the
   restore is included) and without it (generate() recomputing the full prompt),
-and reports sizes (raw tensor bytes, on disk, naive) and the ratios between all of these.
+and reports sizes (raw tensor bytes, on disk, naive) and the ratios between all of these. Each question is
+also answered in full (answer_tokens) with the cache and checked against a full recompute (engine/check.py):
+answers identical, first divergent positions, largest logit difference, near-tie margins.
 
 Timings on a shared machine are noisy: compare the ratios measured within one run.
 """
@@ -35,6 +37,7 @@ from .engine.models import LoadedModel
 
 DEFAULT_SIZES = (1024, 2048, 4096, 8192)
 RESTORE_REPEATS = 3
+ANSWER_TOKENS = 32  # tokens per answer compared with recompute
 QUESTIONS = (
     "What is this document about, in one sentence?",
     "Who or what does the document name first?",
@@ -68,6 +71,7 @@ def run(
     transform: str = pf.DEFAULT_TRANSFORM,
     level: int = pf.DEFAULT_LEVEL,
     workdir: str | os.PathLike | None = None,
+    answer_tokens: int = ANSWER_TOKENS,
 ) -> dict[str, Any]:
     """Measure every length in `tokens` (default: default_sizes); a JSON-able dict of seconds, bytes and ratios."""
     import torch
@@ -83,6 +87,8 @@ def run(
                              f"the model's limit of {limit} positions")
     if questions < 1:
         raise UsageError("--questions must be at least 1")
+    if answer_tokens < 1:
+        raise UsageError("--answer-tokens must be at least 1")
     qs = [QUESTIONS[i % len(QUESTIONS)] for i in range(questions)]
     frame = fr.choose(lm.tokenizer, "auto", None)
     result: dict[str, Any] = {
@@ -98,6 +104,7 @@ def run(
         "level": level,
         "document": document.record(),
         "questions": qs,
+        "answer_tokens": answer_tokens,
         "sizes": [],
     }
     _warm_up(lm)
@@ -105,7 +112,7 @@ def run(
         for n in sizes:
             doc = _document_of(lm, frame, document, n)
             note(f"bench: {n:,} tokens")
-            row = _measure(lm, doc, frame, Path(tmp) / f"doc-{n}.kv", qs, chunk_size, transform, level, note)
+            row = _measure(lm, doc, frame, Path(tmp) / f"doc-{n}.kv", qs, chunk_size, transform, level, note, answer_tokens)
             result["sizes"].append(row)
     return result
 
@@ -113,7 +120,7 @@ def run(
 # ---------------------------------------------------------------- one length
 
 
-def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note) -> dict[str, Any]:
+def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answer_tokens) -> dict[str, Any]:
     import torch
     from transformers import DynamicCache
 
@@ -198,6 +205,14 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note) -> di
         same.append(out[0, prompt.shape[1] :].tolist() == a.answer_token_ids)
     row.update(ttft_cached_s=statistics.median(cached), ttft_recompute_s=statistics.median(recomputed),
                ttft_cached_all_s=cached, ttft_recompute_all_s=recomputed, first_tokens_match=all(same))
+
+    note(f"  whole answers ({answer_tokens} tokens) checked against a full recompute")
+    from .engine import check
+
+    session = answer.Session(lm, path)
+    opts = answer.GenerationOptions(max_new_tokens=answer_tokens)
+    row["check"] = check.summarize(session.ask(q, opts, check=True).check for q in qs)
+    del session
     row["load_average_end"] = _loadavg()
     row["ratios"] = _ratios(row)
     return row
@@ -270,8 +285,9 @@ def render(result: dict[str, Any]):
     sizes = result["sizes"]
     title = (f"kvcli bench: {result['model']} ({result['dtype']}, {result['device']}, "
              f"{result['torch_threads']} torch threads, chunks of {result['chunk_size']})")
-    table = Table(title=title, caption="Cached TTFT includes the restore. Naive: torch.save / torch.load of the same "
-                  "tensors (x: naive over kvcli). Prefill rows: time over one plain forward.")
+    table = Table(title=title, caption="Cached TTFT includes the restore. Answers: whole greedy answers of "
+                  f"{result['answer_tokens']} tokens compared with one forward without cache. Naive: torch.save / torch.load "
+                  "of the same tensors (x: naive over kvcli). Prefill rows: time over one plain forward.")
     table.add_column("tokens", no_wrap=True)
     for r in sizes:
         table.add_column(f"{r['tokens']:,}", justify="right", no_wrap=True)
@@ -280,6 +296,8 @@ def render(result: dict[str, Any]):
         ("TTFT with cache", lambda r, q: f"{r['ttft_cached_s']:.3f} s"),
         ("  speedup", lambda r, q: f"{q['ttft_recompute_over_cached']:.1f}x"),
         ("  same 1st token", lambda r, q: "yes" if r["first_tokens_match"] else "NO"),
+        ("answers = recompute", lambda r, q: f"{r['check']['identical']}/{r['check']['answers']}"),
+        ("  max logit diff", lambda r, q: f"{r['check']['max_logit_diff']:.2g}"),
         ("restore", lambda r, q: f"{r['restore_s']:.3f} s"),
         ("  GB/s of raw", lambda r, q: f"{q['restore_gb_per_s']:.2f}"),
         ("raw / on disk", lambda r, q: f"{r['bytes_raw'] / 1e6:,.1f} / {r['bytes_on_disk'] / 1e6:,.1f} MB"),

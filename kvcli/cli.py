@@ -430,6 +430,7 @@ def bench(
     doc: Annotated[Path, typer.Argument(help="Document to measure with (repeated or cut to each length).")],
     tokens: Annotated[list[int], typer.Option("--tokens", "-n", help="Document lengths in tokens (repeatable; default: 1k, 2k, 4k, 8k within the model's limit).")] = [],  # noqa: B006
     questions: Annotated[int, typer.Option(min=1, help="Questions timed per length.")] = 3,
+    answer_tokens: Annotated[int, typer.Option(min=1, help="Tokens per whole answer compared with a full recompute.")] = 32,
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     device: DeviceOpt = "auto",
@@ -445,7 +446,7 @@ def bench(
     document = documents.read(doc)
     with out.status("loading model"):
         lm = models.load(model, revision=revision, device=device, dtype=dtype, progress=out.note)
-    result = bn.run(lm, document, tokens=tokens or None, questions=questions, progress=out.note)
+    result = bn.run(lm, document, tokens=tokens or None, questions=questions, progress=out.note, answer_tokens=answer_tokens)
     if json_out:
         out.json_doc(result)
     else:

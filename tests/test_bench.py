@@ -13,7 +13,8 @@ from tests.conftest import sample_text
 def test_bench_run_smoke(tiny_lm, tmp_path):
     doc = decode(sample_text()[:800].encode(), "doc.txt")
     seen: list[str] = []
-    result = bench.run(tiny_lm, doc, tokens=[96, 48], questions=2, progress=seen.append, chunk_size=32, workdir=tmp_path)
+    result = bench.run(tiny_lm, doc, tokens=[96, 48], questions=2, progress=seen.append, chunk_size=32, workdir=tmp_path,
+                       answer_tokens=6)
     json.dumps(result)  # JSON-able as it is
     assert [r["tokens"] for r in result["sizes"]] == [48, 96]  # sorted; framed ids cut to the length asked
     assert result["questions"] and len(result["questions"]) == 2 and seen
@@ -22,6 +23,9 @@ def test_bench_run_smoke(tiny_lm, tmp_path):
                     "ttft_cached_s", "ttft_recompute_s"):
             assert r[key] > 0, key
         assert len(r["ttft_cached_all_s"]) == 2 and r["first_tokens_match"] is True
+        check = r["check"]  # whole answers against a full recompute: float32 on CPU is exact here
+        assert check["answers"] == check["identical"] == 2 and check["first_divergence"] == [None, None]
+        assert 0 < check["tokens"] <= 12 and 0 <= check["max_logit_diff"] < 1e-3 and check["divergent_margins"] == []
         assert 0 < r["bytes_shards"] < r["bytes_on_disk"] and r["bytes_raw"] > 0 and r["naive_bytes"] > 0
         for value in r["ratios"].values():
             assert isinstance(value, float) and not math.isnan(value)
@@ -31,7 +35,7 @@ def test_bench_run_smoke(tiny_lm, tmp_path):
     console = Console(record=True, width=200)
     console.print(bench.render(result))
     text = console.export_text()
-    assert "speedup" in text and "naive restore" in text and "48" in text
+    assert "speedup" in text and "naive restore" in text and "48" in text and "answers = recompute" in text
 
 
 def test_default_sizes_stop_at_the_model_limit(tiny_lm):
