@@ -117,7 +117,7 @@ class Session:
             self.manifest = opened.manifest
             restore.check_fits(self.manifest, lm, str(self.path), convert_dtype=convert_dtype)
             self.states = restore.load_states(opened, device=lm.device, dtype=lm.dtype)
-        self.framing = fr.Framing(kind=self.manifest.framing["kind"], system=self.manifest.framing.get("system"))
+        self.framing = fr.Framing.from_record(self.manifest.framing)
         self.warnings = _version_warnings(self.manifest, self.path) + _provenance_warnings(self.manifest, lm, self.path)
         self.load_s = time.perf_counter() - t0
         self._unreported_load = self.load_s
@@ -127,7 +127,7 @@ class Session:
         return self.manifest.token_ids
 
     def prompt_ids(self, question: str) -> list[int]:
-        return self.token_ids + fr.question_ids(self.lm.tokenizer, self.framing, question)
+        return self.token_ids + fr.question_ids(self.lm.tokenizer, self.framing, question, self.token_ids)
 
     def ask(self, question: str, options: GenerationOptions | None = None, on_text: TokenFn | None = None,
             *, check: bool = False) -> Answer:

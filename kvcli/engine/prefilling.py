@@ -37,14 +37,19 @@ class PrefillResult:
 
 def document_token_ids(lm: LoadedModel, document: Document, framing: fr.Framing) -> list[int]:
     """Frame and tokenize a document, refusing one that leaves no room for a question and answer."""
-    ids = fr.document_ids(lm.tokenizer, framing, document.text)
+    return document_split(lm, document, framing)[0]
+
+
+def document_split(lm: LoadedModel, document: Document, framing: fr.Framing) -> tuple[list[int], fr.Framing]:
+    """The ids to cache and the framing (with where the cut falls) that questions follow; see framing.py."""
+    ids, framing = fr.split_document(lm.tokenizer, framing, document.text)
     limit = lm.max_positions
     if limit and len(ids) + ANSWER_ROOM > limit:
         raise DocumentError(
             f"{document.name}: {len(ids)} tokens plus {ANSWER_ROOM} for a question and answer exceed "
             f"the model's limit of {limit} positions"
         )
-    return ids
+    return ids, framing
 
 
 def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: ProgressFn | None = None):
@@ -88,7 +93,7 @@ def prefill(
     if chunk_size < 1:
         raise UsageError(f"--chunk-size must be positive, got {chunk_size}")
     frame = fr.choose(lm.tokenizer, framing, system)
-    ids = document_token_ids(lm, document, frame)
+    ids, frame = document_split(lm, document, frame)
     out = Path(out)
     with writing.atomic_cache_dir(out, force=force) as tmp:
         t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from . import layers
 from ..format import manifest as mf
 from ..format.codec import DTYPES, decode_layer
 from ..errors import CacheMismatchError
-from .framing import FRAMING_VERSION
+from .framing import SUPPORTED_VERSIONS
 from .models import LoadedModel
 from ..format.store import OpenedCache
 
@@ -37,7 +37,7 @@ def check_fits(manifest: mf.Manifest, lm: LoadedModel, where: str, *, convert_dt
         template = have.get("chat_template_sha256")
         if template is None or template != manifest.framing.get("template_sha256"):
             diffs.append("chat template")
-    if manifest.framing.get("version") != FRAMING_VERSION:
+    if manifest.framing.get("version") not in SUPPORTED_VERSIONS:
         diffs.append("prompt framing version")
     if have.get("dtype") != want.get("dtype") and not convert_dtype:
         diffs.append(f"dtype (cache {want.get('dtype')}, model {have.get('dtype')}; --convert-dtype allows it)")

@@ -224,6 +224,9 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
     _str(framing, "framing.system", where, optional=True, limit=None)  # prompt text: any characters (shown with repr)
     _int(framing, "framing.version", where, 0, 1 << 20, optional=True)
     _str(framing, "framing.template_sha256", where, pattern=_SHA256, optional=True)
+    for key in ("anchor", "pending"):  # document text re-tokenized with each question (engine/framing.py)
+        _str(framing, f"framing.{key}", where, optional=True, limit=None)
+    _int(framing, "framing.anchor_tokens", where, 0, min(len(_get(body, "token_ids", list, where)), 1 << 10), optional=True)
     document = body["document"]
     _str(document, "document.sha256", where, pattern=_SHA256)
     _int(document, "document.chars", where, 0, 1 << 40)
