@@ -154,3 +154,20 @@ def sample_text(min_chars: int = 0) -> str:
     while len(text) < min_chars:
         text += "\n\n" + text
     return text
+
+
+_EXACTNESS = pytest.StashKey[list]()
+
+
+@pytest.fixture(scope="session")
+def exactness_report(request) -> list[str]:
+    """Lines a test adds here (measured logit differences) are printed in pytest's terminal summary."""
+    return request.config.stash.setdefault(_EXACTNESS, [])
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    lines = config.stash.get(_EXACTNESS, [])
+    if lines:
+        terminalreporter.section("exactness measured (cached path vs one forward without cache)")
+        for line in lines:
+            terminalreporter.write_line(line)
