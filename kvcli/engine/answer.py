@@ -190,12 +190,12 @@ class Session:
         eos = model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         done_by_stop = stream.stopped or (answer_ids and answer_ids[-1] in eos)
-        total_s = time.perf_counter() - start
+        total_s = time.perf_counter() - start  # the answer's own time: the check's recompute is not in it
         checked = None
         if check:
             from . import check as ck
 
-            checked = ck.compare(self.lm, prompt, answer_ids, logits) if logits is not None else ck.compare(self.lm, prompt, [], None)
+            checked = ck.compare(self.lm, prompt, answer_ids, logits)
         return Answer(
             question=question,
             answer=text,
