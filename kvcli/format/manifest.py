@@ -224,9 +224,7 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
     _str(framing, "framing.system", where, optional=True, limit=None)  # prompt text: any characters (shown with repr)
     _int(framing, "framing.version", where, 0, 1 << 20, optional=True)
     _str(framing, "framing.template_sha256", where, pattern=_SHA256, optional=True)
-    for key in ("anchor", "pending"):  # document text re-tokenized with each question (engine/framing.py)
-        _str(framing, f"framing.{key}", where, optional=True, limit=None)
-    _int(framing, "framing.anchor_tokens", where, 0, min(len(_get(body, "token_ids", list, where)), 1 << 10), optional=True)
+    _framing_cut(framing, len(_get(body, "token_ids", list, where)), where)
     document = body["document"]
     _str(document, "document.sha256", where, pattern=_SHA256)
     _int(document, "document.chars", where, 0, 1 << 40)
@@ -258,6 +256,22 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
         layers=layers,
         provenance=provenance,
     )
+
+
+def _framing_cut(framing: dict, num_tokens: int, where: str) -> None:
+    """Framing version 2 moves the cut (engine/framing.py): document text re-tokenized with each question.
+    Its three fields come together, with version 2 only, and say something (a cut that cuts nothing is not)."""
+    keys = ("anchor", "anchor_tokens", "pending")
+    present = [k for k in keys if k in framing]
+    if framing.get("version") != 2:
+        if present:
+            raise _bad(where, f"manifest field 'framing.{present[0]}' belongs to framing version 2")
+        return
+    anchor = _str(framing, "framing.anchor", where, limit=None)
+    pending = _str(framing, "framing.pending", where, limit=None)
+    tokens = _int(framing, "framing.anchor_tokens", where, 0, min(num_tokens - 1, 1 << 10))
+    if not (tokens or pending) or bool(tokens) != bool(anchor):
+        raise _bad(where, "framing version 2 without a consistent cut (anchor, anchor_tokens, pending)")
 
 
 def _provenance(body: dict, where: str) -> dict[str, str] | None:
