@@ -8,6 +8,7 @@ from a full recompute (answers still printed); 130 interrupted.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import __version__
-from .errors import CHECK_DIFFERS_EXIT, KvcliError, UsageError
+from .errors import CHECK_DIFFERS_EXIT, KvcliError, ServerError, UsageError
 from .output import Output, debug_enabled, human_bytes
 
 EXIT_CODES = ("Exit codes: 0 ok, 1 failure, 2 usage error, 3 cache missing/corrupt/stale (rebuild it), "
@@ -35,6 +36,8 @@ DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Run the model repository's own Python code (only for models you trust).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
+ServerOpt = Annotated[Optional[bool], typer.Option("--server/--no-server", help="Require a running `kvcli serve` / never use one (default: use one if it answers).", show_default=False)]
+SocketOpt = Annotated[Optional[Path], typer.Option("--socket", help="The server's socket (default: $KVCLI_SOCKET, else $KVCLI_HOME/kvcli.sock).", show_default=False)]
 
 
 def command(fn):
@@ -93,13 +96,11 @@ def prefill(
     encoding: Annotated[str, typer.Option(help="Text encoding of the documents.")] = "utf-8",
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing cache.")] = False,
     trust_remote_code: TrustOpt = False,
+    server: ServerOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> int:
     """Run documents through the model once and write their key/value caches."""
-    from . import documents
-    from .engine import models, prefilling as pf
-
     from .remote import is_url
 
     out = Output(quiet=quiet)
@@ -113,6 +114,17 @@ def prefill(
     if not docs:
         raise UsageError("no document given (DOC ..., or --from-list FILE)")
     targets = _prefill_targets(docs, Path(output) if output is not None else None)
+    if server is not False and "-" not in docs:  # a document on stdin is always prefilled in-process
+        fields = {"docs": [[os.path.abspath(d), os.path.abspath(t)] for d, t in targets], "model": _client_model(model or os.environ.get("KVCLI_MODEL")),
+                  "revision": revision, "system": system, "framing": framing, "chunk_size": chunk_size, "dtype": dtype, "device": device,
+                  "encoding": encoding, "force": force, "trust_remote_code": trust_remote_code}
+        served = _served(out, server, "prefill", fields, [*(d for d, _ in targets), *(str(t) for _, t in targets), model],
+                         prefilled=lambda i, r: _prefilled(out, *targets[i], r, json_out, True))
+        if served is not None:
+            return served
+    from . import documents
+    from .engine import models, prefilling as pf
+
     failed: list[KvcliError] = []
 
     def report(exc: KvcliError) -> None:
@@ -140,14 +152,8 @@ def prefill(
             report(exc)
             continue
         m = r.manifest
-        if json_out:
-            out.json_line({"document": str(doc), "cache": str(target), "num_tokens": m.num_tokens, "compute_s": round(r.compute_s, 4),
-                           "write_s": round(r.write_s, 4), "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored})
-        out.note(
-            f"{target}: {m.num_tokens:,} tokens in {r.compute_s + r.write_s:.1f} s "
-            f"({m.num_tokens / max(r.compute_s, 1e-9):,.0f} tok/s), {human_bytes(m.bytes_stored)} on disk "
-            f"({m.bytes_stored / m.bytes_raw:.0%} of {human_bytes(m.bytes_raw)} raw)"
-        )
+        _prefilled(out, doc, target, {"num_tokens": m.num_tokens, "compute_s": r.compute_s, "write_s": r.write_s,
+                                      "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored}, json_out, False)
     if failed:
         out.error(f"{len(failed)} of {len(targets)} documents failed")
         return 1
@@ -189,6 +195,18 @@ def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shar
     return 1 if counts["failed"] else 0
 
 
+def _prefilled(out: Output, doc: str, target: Path, r: dict, json_out: bool, served: bool) -> None:
+    """Report one finished prefill (in-process or served: the same lines)."""
+    if json_out:
+        out.json_line({"document": str(doc), "cache": str(target), "num_tokens": r["num_tokens"], "compute_s": round(r["compute_s"], 4),
+                       "write_s": round(r["write_s"], 4), "bytes_raw": r["bytes_raw"], "bytes_on_disk": r["bytes_on_disk"], "served": served})
+    out.note(
+        f"{target}: {r['num_tokens']:,} tokens in {r['compute_s'] + r['write_s']:.1f} s "
+        f"({r['num_tokens'] / max(r['compute_s'], 1e-9):,.0f} tok/s), {human_bytes(r['bytes_on_disk'])} on disk "
+        f"({r['bytes_on_disk'] / r['bytes_raw']:.0%} of {human_bytes(r['bytes_raw'])} raw)"
+    )
+
+
 def _prefill_targets(docs: list[str], output: Optional[Path]) -> list[tuple[str, Path]]:
     from .format.store import is_cache
 
@@ -222,21 +240,41 @@ def ask(
     check: Annotated[bool, typer.Option("--check", help="Also run each prompt and answer once without the cache and compare logits "
                                         "(costs a full recompute of the document per question); exit 4 if an answer differs.")] = False,
     trust_remote_code: TrustOpt = False,
+    server: ServerOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> int:
     """Answer questions from cached documents, computing only the questions' tokens."""
-    from .engine import answer as an
-
     out = Output(quiet=quiet)
     if not cache:
         raise UsageError("--cache is required")
     if top_p <= 0:
         raise UsageError("--top-p must be above 0")
     qs = _gather_questions(questions or [], questions_file)
-    opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop))
     if trust_remote_code and not model:
         raise UsageError("--trust-remote-code needs an explicit --model: a cache must not choose whose code runs")
+    from .remote import is_url
+
+    if check and server:
+        raise UsageError("--check recomputes every prompt in this process: it cannot go through a server (drop --server)")
+    if server is not False and not check and not any(is_url(c) for c in cache):  # a running `kvcli serve` answers without importing torch
+        options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop)}
+        fields = {"caches": [os.path.abspath(c) for c in cache], "questions": qs, "options": options, "model": _client_model(model),
+                  "revision": revision, "device": device, "dtype": dtype, "convert_dtype": convert_dtype,
+                  "trust_remote_code": trust_remote_code, "stream": not json_out}
+
+        def answered(i: int, a: dict) -> None:
+            if json_out:
+                out.json_line({**a, "cache": str(cache[i]), "served": True})
+            else:
+                out.write("\0" if null else "\n")
+
+        served = _served(out, server, "ask", fields, [*(str(Path(c)) for c in cache), model], answered=answered)
+        if served is not None:
+            return served
+    from .engine import answer as an
+
+    opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop))
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     first_error: Optional[KvcliError] = None
     differs = False
@@ -258,7 +296,7 @@ def ask(
             a = session.ask(q, opts, on_text=stream, check=check)
             a.cache = _shown(path)
             if json_out:
-                out.json_line(a.to_json())
+                out.json_line({**a.to_json(), "served": False})
             else:
                 out.write("\0" if null else "\n")
             if a.check is not None:
@@ -291,6 +329,53 @@ def _shown(path: str) -> str:
     from .remote.objects import redact
 
     return redact(path)
+
+
+def _client_model(model: Optional[str]) -> Optional[str]:
+    """A --model that names a local path, made absolute for the server (a hub id stays as it is)."""
+    if model and (os.path.exists(model) or model.endswith(".gguf") or model.startswith((".", "/", "~")) or model.count("/") > 1):
+        return os.path.abspath(os.path.expanduser(model))
+    return model
+
+
+def _served(out: Output, require: Optional[bool], op: str, fields: dict, spellings: list[Optional[str]], *, answered=None, prefilled=None) -> Optional[int]:
+    """Run ask/prefill on a running server (None when none answers and none is required), rendering its
+    events through the same Output calls as the in-process path, paths spelled as the user gave them."""
+    from .serve import client
+
+    where = client.socket_path()
+    conn = client.open_request(where, op, fields)
+    if conn is None:
+        if require:
+            raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")
+        return None
+    spelled = sorted({(os.path.abspath(n), n) for n in spellings if n and os.path.abspath(n) != n}, key=lambda p: -len(p[0]))
+
+    def own(text: str) -> str:
+        for absolute, given in spelled:
+            text = text.replace(absolute, given)
+        return text
+
+    with conn:
+        for ev in conn.events():
+            kind = ev.get("event")
+            if kind == "text":
+                out.write(ev["text"])
+            elif kind == "answer":
+                answered(ev["index"], ev["answer"])
+            elif kind == "prefilled":
+                prefilled(ev["index"], ev["result"])
+            elif kind == "note":
+                out.note(own(ev["message"]))
+            elif kind == "warning":
+                out.warn(own(ev["message"]))
+            elif kind == "error":
+                out.error(own(ev["message"]), ev.get("hint"))
+            elif kind == "done":
+                return int(ev.get("exit_code", 1))
+            elif kind == "fail":
+                raise client.failure(ev, own)
+    raise ServerError(f"{where}: the server stopped before the answer was complete")
 
 
 def _gather_questions(args: list[str], questions_file: Optional[str]) -> list[str]:
@@ -451,6 +536,79 @@ def bench(
         out.json_doc(result)
     else:
         out.table(bn.render(result))
+    return 0
+
+
+@command
+def serve(
+    socket: SocketOpt = None,
+    max_memory: Annotated[Optional[str], typer.Option(help="Most memory for models and caches, e.g. 8G or 512M (default: half the RAM).", show_default=False)] = None,
+    idle_timeout: Annotated[Optional[str], typer.Option(help="Exit after this long unused, e.g. 30s, 10m, 2h (default: never).", show_default=False)] = None,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="Run in the background: print its pid once it answers; log to $KVCLI_HOME/serve.log.")] = False,
+    stop: Annotated[bool, typer.Option("--stop", help="Stop the server running on the socket.")] = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Keep models and restored caches warm on a unix socket; ask and prefill use it when it runs."""
+    from .serve import client, server as sv, units
+
+    out = Output(quiet=quiet)
+    path = client.socket_path(socket)
+    size = units.parse_size(max_memory) if max_memory else None
+    idle = units.parse_duration(idle_timeout) if idle_timeout else None
+    if stop:
+        pid = sv.stop_server(path)
+        if pid is None:
+            raise ServerError(f"{path}: no kvcli server answers here")
+        out.note(f"stopped the server on {path} (pid {pid})")
+        return 0
+    if detach:
+        args = (["--max-memory", max_memory] if max_memory else []) + (["--idle-timeout", idle_timeout] if idle_timeout else [])
+        pid = sv.detach(path, args)
+        out.write(f"{pid}\n")
+        out.note(f"serving on {path} (log: {sv.log_path()})")
+        return 0
+    from .serve.warm import Warm
+
+    server = sv.Server(path, Warm(size), idle_timeout=idle, log=out.note)
+    with out.status("starting"):
+        server.start()
+    server.serve_forever()
+    return 0
+
+
+@command
+def ps(
+    socket: SocketOpt = None,
+    json_out: JsonOpt = False,
+) -> int:
+    """Show what the running server holds: models, caches, bytes, last use, answers served."""
+    import time
+
+    from rich.table import Table
+    from rich.text import Text
+
+    from .serve import client
+
+    out = Output()
+    path = client.socket_path(socket)
+    reply = client.call(path, "status")
+    if reply is None:
+        raise ServerError(f"{path}: no kvcli server answers here", hint="start one with 'kvcli serve --detach'")
+    s = reply.get("status") or {}
+    if json_out:
+        out.json_doc(s)
+        return 0
+    now = time.time()
+    out.table(Text(f"pid {s['pid']} on {s['socket']}, up {_age(s['uptime_s'])}, {human_bytes(s['bytes'])} of {human_bytes(s['max_memory'])} held, "
+             f"{s['done']} requests answered, {s['active']} active, {s['cancelled']} cancelled"))
+    models = Table("model", "dtype", "device", "memory", "last used", "answers", title="models")
+    for m in s["models"]:
+        models.add_row(Text(str(m["name"])), m["dtype"], m["device"], human_bytes(m["bytes"]), _age(now - m["last_used"]) + " ago", str(m["served"]))
+    caches = Table("cache", "tokens", "model", "memory", "last used", "answers", title="caches")
+    for c in s["caches"]:
+        caches.add_row(Text(c["path"]), f"{c['num_tokens']:,}", Text(str(c["model"])), human_bytes(c["bytes"]), _age(now - c["last_used"]) + " ago", str(c["served"]))
+    out.table(models)
+    out.table(caches)
     return 0
 
 

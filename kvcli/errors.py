@@ -62,3 +62,7 @@ class CacheExistsError(KvcliError):
     """Refusing to replace an existing cache without --force."""
 
     exit_code = 1
+
+
+class ServerError(KvcliError):
+    """The warm server is absent when required, refused a request, or went away mid-answer."""

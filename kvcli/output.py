@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .errors import KvcliError
 
@@ -63,6 +62,8 @@ class Output:
         if not self.interactive:
             yield lambda done, total: None
             return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # only on a terminal: spares every client start
+
         start = time.perf_counter()
         with Progress(
             TextColumn("{task.description}"),

@@ -26,6 +26,7 @@ def _isolated_home(session_home, monkeypatch):
     monkeypatch.setenv("KVCLI_HOME", str(session_home))
     monkeypatch.delenv("KVCLI_MODEL", raising=False)
     monkeypatch.delenv("KVCLI_DEBUG", raising=False)
+    monkeypatch.setenv("KVCLI_SOCKET", str(session_home / "no-server-here.sock"))  # never a developer's running server
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,242 @@
+"""One client connection: read its request line (bounded), answer it with events, notice it leaving.
+
+The ask and prefill handlers follow the in-process commands step by step (same order of notes,
+warnings, per-item errors and answers), so the client renders exactly what `kvcli ask` would print.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from . import protocol
+from .warm import Cancelled, Warm
+from ..errors import KvcliError
+
+REQUEST_TIMEOUT = 10.0  # seconds a client may take to send its request line
+SEND_TIMEOUT = 30.0  # seconds a client may leave an event unread before it counts as gone
+
+
+class Gone(Cancelled):
+    """The client closed its connection or stopped reading."""
+
+
+class Connection:
+    """The server's side of one client: bounded reads, timed writes, a cheap check for a hang-up."""
+
+    def __init__(self, sock: socket.socket, stopping: Callable[[], bool]):
+        self.sock, self._stopping = sock, stopping
+        self.gone = False
+
+    def read_request(self) -> dict[str, Any]:
+        """The request line: at most MAX_LINE bytes within REQUEST_TIMEOUT, valid JSON of our version."""
+        self.sock.settimeout(REQUEST_TIMEOUT)
+        buf = bytearray()
+        while b"\n" not in buf:
+            try:
+                chunk = self.sock.recv(65536)
+            except (TimeoutError, socket.timeout):
+                raise protocol.ProtocolError(f"no complete request line within {REQUEST_TIMEOUT:.0f} s") from None
+            if not chunk:
+                raise Gone()
+            buf += chunk
+            if len(buf) > protocol.MAX_LINE and b"\n" not in buf[: protocol.MAX_LINE + 1]:
+                raise protocol.ProtocolError(f"request line longer than {protocol.MAX_LINE} bytes")
+        line = bytes(buf[: buf.index(b"\n")])
+        request = protocol.decode(line)
+        if request.get("op") not in protocol.OPS:
+            raise protocol.ProtocolError(f"unknown op {request.get('op')!r} (one of {', '.join(protocol.OPS)})")
+        return request
+
+    def send(self, data: bytes) -> None:
+        if self.gone:
+            raise Gone()
+        try:
+            self.sock.settimeout(SEND_TIMEOUT)
+            self.sock.sendall(data)
+        except OSError:
+            self.gone = True
+            raise Gone() from None
+
+    def cancelled(self) -> bool:
+        """Whether the client hung up (polled without blocking), or the server must stop now."""
+        if self.gone or self._stopping():
+            return True
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+            if readable:
+                data = self.sock.recv(65536, socket.MSG_DONTWAIT)
+                if not data:  # end of file: the client closed; anything else it sends is ignored
+                    self.gone = True
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.gone = True
+        return self.gone
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _options(req: dict[str, Any]):
+    from ..engine.answer import GenerationOptions
+
+    o = req.get("options") or {}
+    if not isinstance(o, dict):
+        raise protocol.ProtocolError("options must be an object")
+    known = {"max_new_tokens", "temperature", "top_p", "seed", "stop"}
+    extra = set(o) - known
+    if extra:
+        raise protocol.ProtocolError(f"unknown options: {', '.join(sorted(extra))}")
+    o = dict(o)
+    if "stop" in o:
+        o["stop"] = tuple(o["stop"])
+    return GenerationOptions(**o)
+
+
+def _strings(req: dict[str, Any], name: str) -> list[str]:
+    value = req.get(name)
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise protocol.ProtocolError(f"{name} must be a non-empty list of strings")
+    return value
+
+
+def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
+    """Answer every question from every cache, as cli.ask does in-process; returns the exit code."""
+    caches, questions = _strings(req, "caches"), _strings(req, "questions")
+    opts = _options(req)
+    stream = bool(req.get("stream", True))
+
+    def note(message: str) -> None:
+        conn.send(protocol.event("note", message=message))
+
+    def on_text(text: str) -> None:
+        if conn.cancelled():
+            raise Gone()
+        if stream:
+            conn.send(protocol.event("text", text=text))
+
+    first_error: KvcliError | None = None
+    for index, path in enumerate(caches):
+        held = warm.session(path, model=req.get("model"), revision=req.get("revision"), device=req.get("device") or "auto",
+                            dtype=req.get("dtype"), trust_remote_code=bool(req.get("trust_remote_code")),
+                            convert_dtype=bool(req.get("convert_dtype")), progress=note)
+        try:
+            lease = held.__enter__()
+        except KvcliError as exc:
+            if len(caches) == 1:
+                raise
+            conn.send(protocol.event("error", message=str(exc), hint=exc.hint, exit_code=exc.exit_code))
+            first_error = first_error or exc
+            continue
+        try:
+            for warning in lease.warnings:
+                conn.send(protocol.event("warning", message=warning))
+            for q in questions:
+                answer = lease.ask(q, opts, on_text=on_text, cancelled=conn.cancelled)
+                conn.send(protocol.event("answer", index=index, answer=answer.to_json()))
+        finally:
+            held.__exit__(None, None, None)
+    return first_error.exit_code if first_error else 0
+
+
+def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
+    """Prefill every document into its cache with the warm model, as cli.prefill does in-process."""
+    from .. import documents
+    from ..engine import prefilling as pf
+
+    pairs = req.get("docs")
+    if not isinstance(pairs, list) or not pairs or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in pairs):
+        raise protocol.ProtocolError("docs must be a non-empty list of [document, cache] paths")
+    failed: list[KvcliError] = []
+
+    def report(exc: KvcliError) -> None:
+        if len(pairs) == 1:
+            raise exc
+        conn.send(protocol.event("error", message=str(exc), hint=exc.hint, exit_code=exc.exit_code))
+        failed.append(exc)
+
+    ready = []
+    for index, (doc, target) in enumerate(pairs):
+        try:
+            ready.append((index, documents.read(doc, req.get("encoding") or "utf-8"), target))
+        except KvcliError as exc:
+            report(exc)
+    if ready:
+        note = lambda message: conn.send(protocol.event("note", message=message))  # noqa: E731
+        held = warm.model(req.get("model"), revision=req.get("revision"), device=req.get("device") or "auto",
+                          dtype=req.get("dtype") or "auto", trust_remote_code=bool(req.get("trust_remote_code")), progress=note)
+        with held as model:
+            for index, document, target in ready:
+                if conn.cancelled():
+                    raise Gone()
+                try:
+                    with model.lock:
+                        r = pf.prefill(model.lm, document, target, system=req.get("system"), framing=req.get("framing") or "auto",
+                                       chunk_size=req.get("chunk_size") or pf.DEFAULT_CHUNK, force=bool(req.get("force")))
+                except KvcliError as exc:
+                    report(exc)
+                    continue
+                model.served()
+                m = r.manifest
+                conn.send(protocol.event("prefilled", index=index, result={
+                    "num_tokens": m.num_tokens, "compute_s": r.compute_s, "write_s": r.write_s,
+                    "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored}))
+    if failed:
+        conn.send(protocol.event("error", message=f"{len(failed)} of {len(pairs)} documents failed", hint=None, exit_code=1))
+        return 1
+    return 0
+
+
+def handle(conn: Connection, warm: Warm, status: Callable[[], dict[str, Any]], stop: Callable[[], None],
+           log: Callable[[str], None]) -> str:
+    """Serve one connection from request to final event; returns how it ended (for the counters)."""
+    try:
+        try:
+            req = conn.read_request()
+        except protocol.ProtocolError as exc:
+            conn.send(protocol.fail(f"bad request: {exc}"))
+            return "refused"
+        op = req["op"]
+        conn.send(protocol.event("accepted", op=op))
+        if op == "ping":
+            s = status()
+            conn.send(protocol.event("done", exit_code=0, pid=s["pid"], version=s["version"], socket=s["socket"]))
+        elif op == "status":
+            conn.send(protocol.event("done", exit_code=0, status=status()))
+        elif op == "stop":
+            conn.send(protocol.event("done", exit_code=0, pid=status()["pid"]))
+            stop()
+        else:
+            try:
+                code = (ask if op == "ask" else prefill)(conn, warm, req)
+            except protocol.ProtocolError as exc:
+                conn.send(protocol.fail(f"bad request: {exc}"))
+                return "refused"
+            except KvcliError as exc:
+                conn.send(protocol.fail(str(exc), exc.exit_code, exc.hint))
+                return "failed"
+            conn.send(protocol.event("done", exit_code=code))
+        return "done"
+    except Cancelled:
+        if not conn.gone:  # the server is stopping: say so instead of leaving the client guessing
+            try:
+                conn.send(protocol.fail("the server stopped before the answer was complete"))
+            except Cancelled:
+                pass
+        return "cancelled"
+    except Exception as exc:  # a bug: one line to the client, the traceback to the server's log
+        log(traceback.format_exc().rstrip())
+        try:
+            conn.send(protocol.fail(f"unexpected {exc.__class__.__name__} in the server: {exc}"))
+        except Cancelled:
+            pass
+        return "failed"
+    finally:
+        conn.close()

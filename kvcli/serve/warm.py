@@ -1,0 +1,362 @@
+"""What a server keeps warm: loaded models and restored caches (Sessions), in an LRU bounded by memory.
+
+Used by the unix-socket server (server.py) and meant for any other front end (an HTTP server):
+
+    warm = Warm(max_memory=8 << 30)
+    with warm.session("doc.kv") as lease:              # loads the model and restores the cache once
+        answer = lease.ask("Who signed it?", GenerationOptions(max_new_tokens=64))
+    with warm.model() as held:                          # the model alone (prefill)
+        with held.lock: ...
+    warm.status()                                       # what `kvcli ps` shows
+
+Generation is serialized per loaded model by a FIFO lock (`lease.lock`): questions from many clients
+take turns in arrival order, one question at a time, so a client asking many questions cannot starve
+another, and the model's forward hooks count each answer's tokens alone. A cache directory replaced
+since it was restored (directory or manifest identity changed) is restored again, never answered
+from the old copy. Entries in use are never evicted; the rest go least recently used first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Note = Callable[[str], None]
+
+
+class Cancelled(Exception):
+    """The client that asked went away: its generation stops here."""
+
+
+class FairLock:
+    """A lock handed to waiters in arrival order (threading.Lock promises no order)."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._queue: deque[threading.Event] = deque()
+        self._held = False
+
+    def acquire(self) -> None:
+        with self._mutex:
+            if not self._held:
+                self._held = True
+                return
+            turn = threading.Event()
+            self._queue.append(turn)
+        turn.wait()  # release() hands the lock over directly: it stays held
+
+    def release(self) -> None:
+        with self._mutex:
+            if self._queue:
+                self._queue.popleft().set()
+            else:
+                self._held = False
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def __enter__(self) -> "FairLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+@dataclass
+class _Entry:
+    key: str
+    kind: str  # "model" or "cache"
+    obj: Any  # LoadedModel or Session
+    nbytes: int
+    info: dict[str, Any]
+    identity: tuple = ()  # caches: what says the directory is still the one restored
+    model_key: str = ""  # caches: the model entry they were restored against
+    lock: FairLock = field(default_factory=FairLock)  # models: the generation turn
+    users: int = 0
+    served: int = 0
+    loaded_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+
+
+class Lease:
+    """A warm Session lent to one request; ask() takes the model's turn for each question."""
+
+    def __init__(self, warm: "Warm", entry: _Entry, model_entry: _Entry):
+        self._warm, self._entry, self._model = warm, entry, model_entry
+        self.session = entry.obj
+        self.lock = model_entry.lock
+
+    @property
+    def warnings(self) -> list[str]:
+        return self.session.warnings
+
+    def ask(self, question: str, options: Any = None, on_text: Callable[[str], None] | None = None,
+            cancelled: Callable[[], bool] | None = None):
+        """Session.ask under the model's FIFO turn; Cancelled if the asker left before its turn."""
+        with self.lock:
+            if cancelled and cancelled():
+                raise Cancelled()
+            answer = self.session.ask(question, options, on_text=on_text)
+        self._warm._served(self._entry, self._model)
+        return answer
+
+
+class HeldModel:
+    """A warm LoadedModel lent to one request (prefill); hold `lock` while running it."""
+
+    def __init__(self, warm: "Warm", entry: _Entry):
+        self._warm, self._entry = warm, entry
+        self.lm = entry.obj
+        self.lock = entry.lock
+
+    def served(self) -> None:
+        self._warm._served(self._entry)
+
+
+def total_memory() -> int:
+    """Physical memory in bytes (0 if unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def default_max_memory() -> int:
+    """Half of the machine's RAM (at least 1 GiB): room for models and caches, and for everything else."""
+    return max(1 << 30, total_memory() // 2)
+
+
+def _nbytes_model(lm: Any) -> int:
+    m = lm.model
+    return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+
+def _nbytes_states(states: list) -> int:
+    seen, total = set(), 0
+    for s in states:
+        for t in (s.keys, s.values):
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:  # views share their buffer (with its spare room)
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def _identity(path: Path) -> tuple:
+    """Directory and manifest identity: any replace or rewrite of the cache changes it."""
+    d = os.stat(path)
+    try:
+        m = os.stat(path / "manifest.json")
+        mid = (m.st_ino, m.st_size, m.st_mtime_ns)
+    except OSError:
+        mid = ()
+    return (d.st_dev, d.st_ino, d.st_mtime_ns, *mid)
+
+
+class Warm:
+    """Loaded models and restored caches, least recently used first out when over max_memory bytes."""
+
+    def __init__(self, max_memory: int | None = None):
+        self.max_memory = max_memory or default_max_memory()
+        self._entries: dict[str, _Entry] = {}  # insertion order = use order (moved to the end on use)
+        self._alias: dict[str, str] = {}  # requested model key -> the key of what was loaded
+        self._mutex = threading.RLock()
+        self._loading: dict[str, threading.Lock] = {}
+        self.reloads = 0  # caches restored again because their directory was replaced
+
+    # ---- public API
+    @contextmanager
+    def session(self, cache: str | os.PathLike, *, model: str | None = None, revision: str | None = None,
+                device: str = "auto", dtype: str | None = None, trust_remote_code: bool = False,
+                convert_dtype: bool = False, progress: Note | None = None) -> Iterator[Lease]:
+        """Lend the Session for `cache` (restored now if not held or replaced since), as ModelPool + Session would."""
+        path = Path(os.path.abspath(cache))
+        request = json.dumps(["cache", str(path), model, revision, device, dtype, trust_remote_code, convert_dtype])
+        entry = self._fresh_cache(request, path)
+        if entry is None:
+            with self._load_turn(request):
+                entry = self._fresh_cache(request, path)
+                if entry is None:
+                    entry = self._restore(request, path, model=model, revision=revision, device=device, dtype=dtype,
+                                          trust_remote_code=trust_remote_code, convert_dtype=convert_dtype, progress=progress)
+        try:
+            with self._mutex:
+                model_entry = self._entries[entry.model_key]
+                model_entry.users += 1
+            try:
+                yield Lease(self, entry, model_entry)
+            finally:
+                with self._mutex:
+                    model_entry.users -= 1
+        finally:
+            self._release(entry)
+
+    @contextmanager
+    def model(self, model: str | None = None, *, revision: str | None = None, device: str = "auto", dtype: str = "auto",
+              trust_remote_code: bool = False, progress: Note | None = None) -> Iterator[HeldModel]:
+        """Lend a loaded model (loaded now if not held), as models.load(model, ...) would load it."""
+        from ..engine import models
+
+        request = json.dumps(["model", model or os.environ.get("KVCLI_MODEL"), revision, device, dtype, trust_remote_code])
+        entry = self._take(self._alias.get(request, request))
+        if entry is None:
+            with self._load_turn(request):
+                entry = self._take(self._alias.get(request, request))
+                if entry is None:
+                    source = models.resolve(model, revision=revision)
+                    entry = self._load_model(request, source, device, dtype, trust_remote_code, progress)
+        try:
+            yield HeldModel(self, entry)
+        finally:
+            self._release(entry)
+
+    def status(self) -> dict[str, Any]:
+        """Models and caches held: bytes, last use, answers served (JSON-ready)."""
+        with self._mutex:
+            entries = list(self._entries.values())
+        rows = {"models": [], "caches": []}
+        for e in reversed(entries):  # most recently used first
+            row = {**e.info, "bytes": e.nbytes, "loaded_at": e.loaded_at, "last_used": e.last_used, "served": e.served, "in_use": e.users}
+            if e.kind == "model":
+                row["waiting"] = e.lock.waiting
+            rows["models" if e.kind == "model" else "caches"].append(row)
+        return {"max_memory": self.max_memory, "bytes": sum(e.nbytes for e in entries), "reloads": self.reloads, **rows}
+
+    def clear(self) -> None:
+        """Drop everything not in use."""
+        with self._mutex:
+            self._evict(limit=0)
+
+    # ---- internals
+    @contextmanager
+    def _load_turn(self, key: str):
+        """One loader per key: a second request for the same thing waits and then finds it loaded."""
+        with self._mutex:
+            lock = self._loading.setdefault(key, threading.Lock())
+        with lock:
+            yield
+
+    def _take(self, key: str) -> _Entry | None:
+        with self._mutex:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.users += 1
+                entry.last_used = time.time()
+                self._entries[key] = self._entries.pop(key)  # most recently used last
+            return entry
+
+    def _release(self, entry: _Entry) -> None:
+        with self._mutex:
+            entry.users -= 1
+            entry.last_used = time.time()
+            self._evict()
+
+    def _served(self, *entries: _Entry) -> None:
+        with self._mutex:
+            for e in entries:
+                e.served += 1
+                e.last_used = time.time()
+
+    def _fresh_cache(self, key: str, path: Path) -> _Entry | None:
+        """The held Session for this request if its directory is still the one restored."""
+        try:
+            now = _identity(path)
+        except OSError:
+            now = None
+        with self._mutex:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            if entry.identity != now or entry.model_key not in self._entries:
+                if entry.users == 0:
+                    self._drop(key)
+                else:  # still answering someone from the old copy: forget it, it goes when they finish
+                    self._entries.pop(key)
+                self.reloads += 1
+                return None
+        return self._take(key)
+
+    def _restore(self, key: str, path: Path, *, model, revision, device, dtype, trust_remote_code, convert_dtype, progress) -> _Entry:
+        from ..engine import answer as an, models
+        from ..format import store
+
+        try:
+            identity = _identity(path)  # taken before reading: a replace after this is caught next time
+        except OSError:
+            identity = ()
+        manifest = store.read_manifest(path)
+        want = dtype or manifest.dtype
+        source = models.resolve(model, revision=revision) if model else models.reload_source(manifest.model.get("source", {}))
+        mkey = json.dumps(["model", source, device, want, trust_remote_code], sort_keys=True)
+        model_entry = self._take(self._alias.get(mkey, mkey))
+        if model_entry is None:
+            with self._load_turn(mkey):
+                model_entry = self._take(self._alias.get(mkey, mkey))
+                if model_entry is None:
+                    model_entry = self._load_model(mkey, source, device, want, trust_remote_code, progress)
+        try:
+            session = an.Session(model_entry.obj, path, convert_dtype=convert_dtype)
+            info = {"path": str(path), "model": model_entry.info["name"], "num_tokens": len(session.token_ids),
+                    "dtype": manifest.dtype, "load_s": round(session.load_s, 4)}
+            entry = _Entry(key, "cache", session, _nbytes_states(session.states), info, identity=identity, model_key=model_entry.key, users=1)
+            with self._mutex:
+                self._entries[key] = entry
+                self._evict()
+            return entry
+        finally:
+            self._release(model_entry)
+
+    def _load_model(self, key: str, source: dict, device: str, dtype: str, trust_remote_code: bool, progress: Note | None) -> _Entry:
+        """Load a model and hold it under its canonical key (the source, the device and the dtype it got)."""
+        from ..engine import models
+        from ..format.codec import dtype_name
+
+        lm = models.load(source=source, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=progress)
+        canonical = json.dumps(["model", lm.source, device, dtype_name(lm.dtype), trust_remote_code], sort_keys=True)
+        with self._mutex:
+            self._alias[key] = canonical
+            existing = self._entries.get(canonical)
+            if existing is not None:  # loaded meanwhile under another spelling: keep the first, drop ours
+                existing.users += 1
+                return existing
+            info = {"name": lm.source.get("name") or lm.fingerprint.get("name"), "source": lm.source.get("kind"),
+                    "dtype": dtype_name(lm.dtype), "device": str(lm.device)}
+            entry = _Entry(canonical, "model", lm, _nbytes_model(lm), info, users=1)
+            self._entries[canonical] = entry
+            self._evict()
+            return entry
+
+    def _evict(self, limit: int | None = None) -> None:
+        """Drop least recently used entries not in use until the total fits (caller holds the mutex)."""
+        limit = self.max_memory if limit is None else limit
+        total = sum(e.nbytes for e in self._entries.values())
+        for key in list(self._entries):
+            if total <= limit:
+                return
+            e = self._entries.get(key)
+            if e is None or e.users > 0:
+                continue
+            if e.kind == "model" and any(c.model_key == key and c.users > 0 for c in self._entries.values() if c.kind == "cache"):
+                continue
+            total -= self._drop(key)
+
+    def _drop(self, key: str) -> int:
+        """Forget an entry (a model takes the caches restored against it along); returns the bytes freed."""
+        e = self._entries.pop(key, None)
+        if e is None:
+            return 0
+        freed = e.nbytes
+        if e.kind == "model":
+            for ck in [k for k, c in self._entries.items() if c.kind == "cache" and c.model_key == key and c.users == 0]:
+                freed += self._entries.pop(ck).nbytes
+        return freed

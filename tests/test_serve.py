@@ -1,0 +1,294 @@
+"""The warm server, in a thread of the test process: served answers equal in-process ones byte for byte,
+many clients at once, hostile clients, a cache replaced while held, the memory bound, the protocol."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+
+import kvcli
+from kvcli.serve import client, protocol
+from kvcli.serve.warm import FairLock, Warm
+from tests.conftest import sample_text, tiny_llama
+from tests.helpers import assert_clean_error, json_lines, run, run_python
+from tests.serve_helpers import ThreadServer, ask_events, install_copy, raw_request, short_dir
+
+QUESTIONS = ["What is the Licensor?", "Is there a warranty?", "Who may use the work?"]
+
+
+@pytest.fixture(scope="module")
+def world(tiny_model_dir, tokenizer):
+    from kvcli.engine.prefilling import prefill
+
+    root = short_dir()
+    text = sample_text()
+    (root / "a.txt").write_text(text[:1400], encoding="utf-8")
+    (root / "b.txt").write_text(text[1400:2600], encoding="utf-8")
+    lm = kvcli.load(str(tiny_model_dir))
+    for k in "ab":
+        prefill(lm, kvcli.read_document(root / f"{k}.txt"), root / f"ref-{k}.kv")
+    other = root / "other-model"
+    tiny_llama(len(tokenizer), seed=1).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    prefill(kvcli.load(str(other)), kvcli.read_document(root / "a.txt"), root / "other.kv")
+    yield {"root": root, "lm": lm, "model": tiny_model_dir}
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(world):
+    srv = ThreadServer(world["root"] / "s.sock")
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def here(world, server, monkeypatch):
+    """Work in the world's folder (relative cache paths) with KVCLI_SOCKET naming the thread server."""
+    monkeypatch.chdir(world["root"])
+    monkeypatch.setenv("KVCLI_SOCKET", str(server.path))
+    return world["root"]
+
+
+def served_count(server) -> int:
+    return sum(c["served"] for c in server.server.warm.status()["caches"])
+
+
+def test_plain_answers_are_byte_identical(here, server):
+    args = ("ask", "-c", "ref-a.kv", *QUESTIONS, "--max-new-tokens", "12")
+    before = served_count(server)
+    served, local = run(*args), run(*args, "--no-server")
+    assert served.exit_code == local.exit_code == 0, served.stderr
+    assert served_count(server) == before + len(QUESTIONS)
+    assert served.stdout == local.stdout and served.stdout.count("\n") == len(QUESTIONS)
+    assert served.stderr == local.stderr
+    nul = run(*args, "-0", "--stop", "e")
+    assert nul.stdout == run(*args, "-0", "--stop", "e", "--no-server").stdout and nul.stdout.count("\0") == len(QUESTIONS)
+
+
+def test_json_answers_are_identical_but_for_timing_and_served(here):
+    args = ("ask", "-c", "ref-a.kv", "-c", "ref-b.kv", *QUESTIONS[:2], "--max-new-tokens", "10", "--json")
+    served, local = json_lines(run(*args, "--server").stdout), json_lines(run(*args, "--no-server").stdout)
+    assert [r["served"] for r in served] == [True] * 4 and [r["served"] for r in local] == [False] * 4
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.endswith("_s") and k != "served"} for r in rows]  # noqa: E731
+    assert strip(served) == strip(local)
+    assert [list(r) for r in served] == [list(r) for r in local]  # same fields in the same order
+    assert served[0]["cache"] == "ref-a.kv"  # the path as the user spelled it
+
+
+def test_errors_are_the_same_through_the_server(here, world):
+    for args in (("-c", "gone.kv", "-c", "ref-a.kv", "Q?"), ("-c", "other.kv", "Q?", "--model", str(world["model"])), ("-c", "gone.kv", "Q?")):
+        served = run("ask", "--max-new-tokens", "4", *args)
+        local = run("ask", "--max-new-tokens", "4", *args, "--no-server")
+        assert served.exit_code == local.exit_code == 3, (served.stderr, local.stderr)
+        assert served.stdout == local.stdout and served.stderr == local.stderr
+        assert "Traceback" not in served.stderr
+    assert "gone.kv: no cache here" in served.stderr  # relative, as given
+
+
+def test_server_option_requires_one(here, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCLI_SOCKET", str(short_dir() / "none.sock"))
+    assert_clean_error(run("ask", "-c", "ref-a.kv", "Q?", "--server"), 1, "no kvcli server answers")
+    result = run("ask", "-c", "ref-a.kv", "Q?", "--max-new-tokens", "3", "--json")  # no server: in-process
+    assert result.exit_code == 0 and json_lines(result.stdout)[0]["served"] is False
+    assert_clean_error(run("ps"), 1, "no kvcli server answers")
+    assert_clean_error(run("serve", "--stop"), 1, "no kvcli server answers")
+    monkeypatch.setenv("KVCLI_SOCKET", "/tmp/" + "x" * 200 + ".sock")  # longer than a unix socket path may be
+    result = run("ask", "-c", "ref-a.kv", "Q?", "--max-new-tokens", "3", "--json")
+    assert result.exit_code == 0 and json_lines(result.stdout)[0]["served"] is False
+    assert_clean_error(run("serve"), 1, "too long")
+
+
+def test_served_client_imports_nothing_heavy(here):
+    code = (
+        "import sys\n"
+        "from kvcli.cli import app\n"
+        "try:\n    app(['ask', '-c', 'ref-a.kv', 'What?', '--max-new-tokens', '4', '--server'], prog_name='kvcli')\n"
+        "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+        "heavy = [m for m in ('torch', 'transformers', 'safetensors', 'numpy') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = run_python(code, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+
+
+def test_prefill_through_the_server(here, world):
+    served = run("prefill", "a.txt", "-o", "p.kv", "--model", str(world["model"]), "--json", "--force")
+    assert served.exit_code == 0, served.stderr
+    (row,) = json_lines(served.stdout)
+    assert row["served"] is True and row["cache"] == "p.kv" and row["document"] == "a.txt"
+    assert kvcli.verify("p.kv").token_ids == kvcli.verify("ref-a.kv").token_ids
+    refused = run("prefill", "a.txt", "-o", "p.kv", "--model", str(world["model"]))
+    local = run("prefill", "a.txt", "-o", "p.kv", "--model", str(world["model"]), "--no-server")
+    assert refused.exit_code == local.exit_code == 1 and refused.stderr == local.stderr
+
+
+def _reference(world, cache, question, n):
+    return kvcli.Session(world["lm"], cache).ask(question, kvcli.GenerationOptions(max_new_tokens=n)).answer_token_ids
+
+
+def test_concurrent_clients_each_get_their_own_answer(here, world, server):
+    jobs = [("ref-a.kv" if i % 2 else "ref-b.kv", QUESTIONS[i % 3]) for i in range(8)]
+    results: dict[int, list] = {}
+
+    def one(i, cache, q):
+        results[i] = ask_events(server.path, here / cache, q, max_new_tokens=10)
+
+    threads = [threading.Thread(target=one, args=(i, *job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i, (cache, q) in enumerate(jobs):
+        answers = [e["answer"] for e in results[i] if e["event"] == "answer"]
+        assert results[i][-1] == {"v": 1, "event": "done", "exit_code": 0}
+        assert answers[0]["answer_token_ids"] == _reference(world, here / cache, q, 10)
+        assert "".join(e["text"] for e in results[i] if e["event"] == "text") == answers[0]["answer"]
+
+
+def test_fair_lock_serves_in_arrival_order():
+    lock, order = FairLock(), []
+    lock.acquire()
+
+    def waiter(n):
+        with lock:
+            order.append(n)
+
+    threads = []
+    for n in range(5):
+        threads.append(threading.Thread(target=waiter, args=(n,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 10
+        while lock.waiting < n + 1 and time.monotonic() < deadline:  # each is queued before the next starts
+            time.sleep(0.001)
+    lock.release()
+    for t in threads:
+        t.join(timeout=10)
+    assert order == [0, 1, 2, 3, 4]
+
+
+def test_hostile_clients_affect_nobody_else(here, world, server):
+    path = server.path
+    garbage = raw_request(path, b"\x00\xffnot json at all\n")
+    assert garbage[-1]["event"] == "fail" and "bad request" in garbage[-1]["message"]
+    endless = raw_request(path, b"x" * (protocol.MAX_LINE + 65536))
+    assert endless[-1]["event"] == "fail" and "longer than" in endless[-1]["message"]
+    other = raw_request(path, json.dumps({"v": 99, "op": "ask"}).encode() + b"\n")
+    assert other[-1]["event"] == "fail" and "protocol version 99" in other[-1]["message"]
+    unknown = raw_request(path, protocol.encode({"op": "format-disk"}))
+    assert unknown[-1]["event"] == "fail" and "unknown op" in unknown[-1]["message"]
+    bad = raw_request(path, protocol.encode({"op": "ask", "caches": "x", "questions": ["q"]}))
+    assert bad[-1]["event"] == "fail" and "caches" in bad[-1]["message"]
+
+    cancelled = server.server.counts["cancelled"]
+    quitter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # asks for a long answer, reads one event, leaves
+    quitter.connect(str(path))
+    quitter.sendall(protocol.encode({"op": "ask", "caches": [str(here / "ref-a.kv")], "questions": ["Go on"], "options": {"max_new_tokens": 4000}}))
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # connects and never sends a whole line
+    silent.connect(str(path))
+    silent.sendall(b'{"v": 1, "op"')
+    reader = quitter.makefile("rb")
+    assert json.loads(reader.readline())["event"] == "accepted"
+    reader.readline()
+    reader.close()
+    quitter.close()
+    events = ask_events(path, here / "ref-b.kv", QUESTIONS[0], max_new_tokens=10)  # meanwhile, a normal client
+    assert events[-1]["event"] == "done"
+    assert [e for e in events if e["event"] == "answer"][0]["answer"]["answer_token_ids"] == _reference(world, here / "ref-b.kv", QUESTIONS[0], 10)
+    deadline = time.monotonic() + 60
+    while server.server.counts["cancelled"] == cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.server.counts["cancelled"] == cancelled + 1  # the quitter's generation was stopped
+    silent.close()
+    assert client.ping(path)["pid"] == os.getpid()
+
+
+def test_client_refuses_another_protocol_version(tmp_path):
+    path = short_dir() / "old.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def old_server():
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b'{"v": 0, "event": "accepted"}\n')
+        conn.close()
+
+    t = threading.Thread(target=old_server)
+    t.start()
+    with pytest.raises(client.ProtocolMismatch, match="protocol version 0"):
+        client.open_request(path, "ask", {})
+    t.join(timeout=10)
+    listener.close()
+
+
+def test_replaced_cache_is_restored_again(here, world, server):
+    held = here / "held.kv"
+    shutil.rmtree(held, ignore_errors=True)
+    shutil.copytree(here / "ref-a.kv", held)
+    first = json_lines(run("ask", "-c", "held.kv", QUESTIONS[0], "--max-new-tokens", "8", "--json", "--server").stdout)[0]
+    assert first["answer_token_ids"] == _reference(world, here / "ref-a.kv", QUESTIONS[0], 8)
+    reloads = server.server.warm.reloads
+    install_copy(held, here / "ref-b.kv")
+    second = json_lines(run("ask", "-c", "held.kv", QUESTIONS[0], "--max-new-tokens", "8", "--json", "--server").stdout)[0]
+    assert second["answer_token_ids"] == _reference(world, here / "ref-b.kv", QUESTIONS[0], 8)
+    assert second["cached_tokens"] == len(kvcli.read_manifest(here / "ref-b.kv").token_ids)
+    assert server.server.warm.reloads == reloads + 1
+    install_copy(held, here / "other.kv")  # now a cache of another model: refused, exit 3, as in-process
+    served = run("ask", "-c", "held.kv", "Q?", "--model", str(world["model"]), "--server")
+    assert_clean_error(served, 3, "held.kv")
+    assert served.stderr == run("ask", "-c", "held.kv", "Q?", "--model", str(world["model"]), "--no-server").stderr
+
+
+def test_memory_bound_evicts_least_recently_used(world):
+    warm = Warm(max_memory=1 << 40)
+    with warm.session(world["root"] / "ref-a.kv") as lease:
+        lease.ask("Q?", kvcli.GenerationOptions(max_new_tokens=2))
+    status = warm.status()
+    model_bytes, cache_bytes = status["models"][0]["bytes"], status["caches"][0]["bytes"]
+    warm.max_memory = model_bytes + cache_bytes + cache_bytes // 2  # room for the model and one cache
+    with warm.session(world["root"] / "ref-b.kv"):
+        pass
+    status = warm.status()
+    assert [os.path.basename(c["path"]) for c in status["caches"]] == ["ref-b.kv"]
+    assert status["bytes"] <= warm.max_memory and len(status["models"]) == 1
+    with warm.session(world["root"] / "ref-a.kv") as a, warm.session(world["root"] / "ref-b.kv") as b:  # in use: both kept
+        assert len(warm.status()["caches"]) == 2 and a.session is not b.session
+    assert len(warm.status()["caches"]) == 1  # back under the bound once released
+
+
+def test_ps_shows_what_is_held(here, server):
+    run("ask", "-c", "ref-a.kv", "Q?", "--max-new-tokens", "2", "--server")
+    result = run("ps", "--json")
+    assert result.exit_code == 0, result.stderr
+    s = json.loads(result.stdout)
+    assert s["pid"] == os.getpid() and s["protocol"] == protocol.PROTOCOL_VERSION
+    assert any(c["path"] == str(here / "ref-a.kv") and c["served"] >= 1 and c["bytes"] > 0 for c in s["caches"])
+    assert s["models"] and s["bytes"] <= s["max_memory"]
+    human = run("ps", env={"COLUMNS": "200"})
+    assert human.exit_code == 0 and "ref-a.kv" in human.stdout and str(server.path) in human.stdout
+
+
+def test_usage_errors():
+    assert_clean_error(run("serve", "--max-memory", "lots"), 2, "--max-memory")
+    assert_clean_error(run("serve", "--idle-timeout", "soon"), 2, "--idle-timeout")
+    from kvcli.serve.units import parse_duration, parse_size
+
+    assert parse_size("8G") == 8 << 30 and parse_size("1.5GB") == 1_500_000_000 and parse_duration("10m") == 600
+
+
+def test_socket_path_rule(monkeypatch, tmp_path):
+    from kvcli.engine.models import kvcli_home
+
+    monkeypatch.delenv("KVCLI_SOCKET")
+    assert client.socket_path() == kvcli_home() / "kvcli.sock" == client.kvcli_home() / "kvcli.sock"
+    monkeypatch.setenv("KVCLI_SOCKET", "rel.sock")
+    assert client.socket_path() == tmp_path.cwd() / "rel.sock"
