@@ -311,6 +311,7 @@ def ask(
             first_error = first_error or exc
             continue
         for q in qs:
+            out.check_stdout()  # a reader that left (`| head -1`) cancels the questions still to come
             room = session.answer_room(q)
             if room is not None and 0 < room < max_new_tokens:
                 out.warn(f"{_shown(path)}: only {room} positions are left after this question; the answer stops at {room} tokens, "

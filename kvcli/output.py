@@ -66,6 +66,21 @@ class Output:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    def check_stdout(self) -> None:
+        """Raise BrokenPipeError when stdout is a pipe whose reader has gone (POLLERR), so no work is done for nobody."""
+        import select
+
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, ValueError, OSError):  # not a real file (a test runner's buffer)
+            return
+        if not hasattr(select, "poll"):
+            return
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if any(events & select.POLLERR for _, events in poller.poll(0)):
+            raise BrokenPipeError(errno.EPIPE, "stdout closed")
+
     def heading(self, text: str) -> None:
         """A line naming what the next answer belongs to: only when stdout is a terminal (a pipe gets answers only)."""
         if self.stdout_terminal:
