@@ -1,10 +1,10 @@
 """Measure anti-repetition settings on the default model and the sample (not collected by pytest).
 
-    python tests/bench_repetition.py [--max-new-tokens 256] [--setting 1.0:0 --setting 1.2:0 ...]
+    python tests/bench_repetition.py [--max-new-tokens 256] [--setting 1.0:0 --setting 1.0:10 ...]
 
 For each setting (repetition_penalty:no_repeat_ngram_size) it asks samples/questions.txt about
 samples/document.txt and prints, per question, the answer length in tokens, how it ended, the share of
-repeated 4-grams in the answer (a loop scores high) and seconds; then the answers themselves.
+repeated 4-grams in the answer (a loop scores high), seconds and the answer (one JSON line each).
 It also times kvcli.load() of the default model (already converted) in a fresh process, three times.
 """
 
@@ -58,6 +58,7 @@ def main() -> None:
                 a = session.ask(q, opts)
                 rows.append({"question": q, "tokens": len(a.answer_token_ids), "finish": a.finish_reason,
                              "repeated_4grams": round(repeated_share(a.answer_token_ids), 3), "s": round(time.perf_counter() - t, 1), "answer": a.answer})
+                print(f"[{rp}:{ng}] {json.dumps(rows[-1], ensure_ascii=False)}", flush=True)
             results[f"{rp}:{ng}"] = rows
             print(f"\n== repetition_penalty {rp}, no_repeat_ngram_size {ng}: "
                   f"{sum(r['tokens'] for r in rows)} tokens, {sum(r['finish'] == 'length' for r in rows)} hit the limit, "
