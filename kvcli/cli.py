@@ -2,7 +2,7 @@
 
 Exit codes: 0 success; 1 other failure; 2 usage error; 3 cache missing, corrupt, of an unknown
 format version, or not matching the model (rebuild it); 4 `ask --check` found an answer that differs
-from a full recompute (answers still printed); 130 interrupted.
+from a full recompute (answers still printed); 130 interrupted; 141 stdout closed early.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
+from typer.core import TyperArgument, TyperCommand
 
 from . import __version__
 from .errors import CHECK_DIFFERS_EXIT, KvcliError, ServerError, UsageError
-from .output import Output, debug_enabled, human_bytes
+from .output import EXIT_PIPE, Output, debug_enabled, human_bytes, is_broken_pipe, stdout_gone
 
 EXIT_CODES = ("Exit codes: 0 ok, 1 failure, 2 usage error, 3 cache missing/corrupt/stale (rebuild it), "
               "4 ask --check: an answer differs from a full recompute.")
@@ -26,18 +27,46 @@ app = typer.Typer(
     help=f"Prefill a long document once into a compressed KV cache, then ask it many questions. {EXIT_CODES}",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-# Options spelled once, shared by every command.
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Hub id, model folder or .gguf file (default: $KVCLI_MODEL, else the embedded SmolLM2-135M-Instruct; for ask: the cache's model).")]
-RevisionOpt = Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")]
-DeviceOpt = Annotated[str, typer.Option(help="auto, cpu, cuda or mps.")]
+# Options spelled once, shared by every command. Choices are Literal types: typer checks them while
+# parsing (exit 2 naming the allowed values, before anything loads) and lists them in --help.
+Device = Literal["auto", "cpu", "cuda", "mps"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", metavar="MODEL", help="Hub id, model folder or .gguf file (default: $KVCLI_MODEL, else the embedded SmolLM2-135M-Instruct; for ask: the cache's model).")]
+RevisionOpt = Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision (branch, tag or commit).")]
+DeviceOpt = Annotated[Device, typer.Option(help="auto: CUDA or MPS when present, else CPU.")]
+DtypeOpt = Annotated[Dtype, typer.Option(help="Compute dtype (auto: float32 on CPU, the model's own on an accelerator).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Run the model repository's own Python code (only for models you trust).")]
+FramingOpt = Annotated[Literal["auto", "chat", "plain"], typer.Option(help="auto: the chat template if the model has one, else plain.")]
+SystemOpt = Annotated[Optional[str], typer.Option(metavar="TEXT", help="System text placed before the document.")]
+EncodingOpt = Annotated[str, typer.Option(metavar="NAME", help="Text encoding of the documents (any Python codec: utf-8, latin-1, utf-16, ...).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
 ServerOpt = Annotated[Optional[bool], typer.Option("--server/--no-server", help="Require a running `kvcli serve` / never use one (default: use one if it answers).", show_default=False)]
 SocketOpt = Annotated[Optional[Path], typer.Option("--socket", help="The server's socket (default: $KVCLI_SOCKET, else $KVCLI_HOME/kvcli.sock).", show_default=False)]
+
+
+class _Help(TyperCommand):
+    """Plain click-style help: metavars and choices, not typer's type labels (<bool>, <list[str]>)."""
+
+    def format_options(self, ctx, formatter) -> None:
+        rows: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if isinstance(param, TyperArgument):
+                name = param.metavar or param.name.upper()
+                rows["Arguments"].append((name + ("..." if param.nargs != 1 else ""), record[1]))
+            else:
+                rows["Options"].append(record)
+        for title, items in rows.items():
+            if items:
+                with formatter.section(title):
+                    formatter.write_dl(items)
 
 
 def command(fn):
@@ -48,6 +77,11 @@ def command(fn):
         out = Output(quiet=kwargs.get("quiet", False))
         try:
             code = fn(*args, **kwargs)
+        except OSError as exc:
+            if not is_broken_pipe(exc):
+                return _unexpected(out, exc)
+            stdout_gone()  # the reader left (e.g. `| head`): stop quietly, as Unix tools do
+            raise typer.Exit(EXIT_PIPE) from None
         except KvcliError as exc:
             if debug_enabled():
                 traceback.print_exc()
@@ -59,14 +93,18 @@ def command(fn):
         except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:  # a bug or an unforeseen failure: one line, traceback on request
-            if debug_enabled():
-                traceback.print_exc()
-            out.error(f"unexpected {exc.__class__.__name__}: {exc}", "set KVCLI_DEBUG=1 for a traceback")
-            raise typer.Exit(1) from None
+            return _unexpected(out, exc)
         if code:
             raise typer.Exit(code)
 
-    return app.command()(wrapper)
+    return app.command(cls=_Help)(wrapper)
+
+
+def _unexpected(out: Output, exc: Exception):
+    if debug_enabled():
+        traceback.print_exc()
+    out.error(f"unexpected {exc.__class__.__name__}: {exc}", "set KVCLI_DEBUG=1 for a traceback")
+    raise typer.Exit(1) from None
 
 
 def _version(value: bool) -> None:
@@ -82,18 +120,18 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
 
 @command
 def prefill(
-    docs: Annotated[Optional[list[str]], typer.Argument(help="Document files or URLs ('-' reads stdin and needs -o).", show_default=False)] = None,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Cache path (one document) or folder (several), or an object-store URL (s3://bucket/prefix/). Default: DOC with suffix .kv")] = None,
+    docs: Annotated[Optional[list[str]], typer.Argument(metavar="DOC", help="Document files or URLs ('-' reads stdin and needs -o).", show_default=False)] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="PATH", help="Cache path (one document) or folder (several; created if missing), or an object-store URL (s3://bucket/prefix/). Default: DOC with suffix .kv")] = None,
     from_list: Annotated[Optional[str], typer.Option("--from-list", metavar="FILE", help="File listing documents (paths or URLs), one per line ('-' for stdin); caches already up to date are skipped.")] = None,
     shard: Annotated[Optional[str], typer.Option("--shard", metavar="I/N", help="Take share I of N of the list (I/N, from 0; default: the Slurm array task, or JOB_COMPLETION_INDEX of KVCLI_SHARD_COUNT).")] = None,
     model: ModelOpt = None,
     revision: RevisionOpt = None,
-    system: Annotated[Optional[str], typer.Option(help="System text placed before the document.")] = None,
-    framing: Annotated[str, typer.Option(help="auto (chat template if the model has one), chat or plain.")] = "auto",
-    chunk_size: Annotated[Optional[int], typer.Option(min=1, help="Tokens per forward pass (default: 1024, chosen by measurement).", show_default=False)] = None,
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16 (auto: float32 on CPU).")] = "auto",
+    system: SystemOpt = None,
+    framing: FramingOpt = "auto",
+    chunk_size: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Tokens per forward pass (default: 1024, chosen by measurement).", show_default=False)] = None,
+    dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
-    encoding: Annotated[str, typer.Option(help="Text encoding of the documents.")] = "utf-8",
+    encoding: EncodingOpt = "utf-8",
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing cache.")] = False,
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
@@ -101,10 +139,12 @@ def prefill(
     quiet: QuietOpt = False,
 ) -> int:
     """Run documents through the model once and write their key/value caches."""
+    from . import documents
     from .remote import is_url
 
     out = Output(quiet=quiet)
     docs = docs or []
+    documents.check_encoding(encoding)
     if shard is not None and from_list is None:
         raise UsageError("--shard needs --from-list")
     if from_list is not None or is_url(output) or any(is_url(d) for d in docs):
@@ -113,16 +153,17 @@ def prefill(
                                trust_remote_code=trust_remote_code, json_out=json_out)
     if not docs:
         raise UsageError("no document given (DOC ..., or --from-list FILE)")
-    targets = _prefill_targets(docs, Path(output) if output is not None else None)
+    targets, folder = _prefill_targets(docs, Path(output) if output is not None else None)
     if server is not False and "-" not in docs:  # a document on stdin is always prefilled in-process
         fields = {"docs": [[os.path.abspath(d), os.path.abspath(t)] for d, t in targets], "model": _client_model(model or os.environ.get("KVCLI_MODEL")),
                   "revision": revision, "system": system, "framing": framing, "chunk_size": chunk_size, "dtype": dtype, "device": device,
                   "encoding": encoding, "force": force, "trust_remote_code": trust_remote_code}
+        if folder is not None:
+            _make_folder(folder)  # the server writes into it
         served = _served(out, server, "prefill", fields, [*(d for d, _ in targets), *(str(t) for _, t in targets), model],
                          prefilled=lambda i, r: _prefilled(out, *targets[i], r, json_out, True))
         if served is not None:
             return served
-    from . import documents
     from .engine import models, prefilling as pf
 
     failed: list[KvcliError] = []
@@ -140,6 +181,8 @@ def prefill(
         except KvcliError as exc:
             report(exc)
     if ready:
+        if folder is not None:
+            _make_folder(folder)
         with out.status("loading model"):
             lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     for n, (doc, document, target) in enumerate(ready, 1):
@@ -207,34 +250,50 @@ def _prefilled(out: Output, doc: str, target: Path, r: dict, json_out: bool, ser
     )
 
 
-def _prefill_targets(docs: list[str], output: Optional[Path]) -> list[tuple[str, Path]]:
+def _prefill_targets(docs: list[str], output: Optional[Path]) -> tuple[list[tuple[str, Path]], Optional[Path]]:
+    """(document, cache path) pairs, and the -o folder to create; two documents aimed at one cache are refused."""
     from .format.store import is_cache
 
     if "-" in docs and (output is None or len(docs) > 1):
         raise UsageError("reading the document from stdin ('-') needs -o CACHE and no other document")
-    if len(docs) > 1 or (output is not None and output.is_dir() and not is_cache(output)):
-        folder = output
-        if folder is not None and not folder.is_dir():
-            raise UsageError(f"{folder}: with several documents, -o must be an existing folder")
-        return [(d, (folder or Path(d).parent) / (Path(d).stem + ".kv")) for d in docs]
-    doc = docs[0]
-    return [(doc, output or Path(doc).with_suffix(".kv"))]
+    if len(docs) == 1 and not (output is not None and output.is_dir() and not is_cache(output)):
+        return [(docs[0], output or Path(docs[0]).with_suffix(".kv"))], None
+    if output is not None and (is_cache(output) or (output.exists() and not output.is_dir())):
+        raise UsageError(f"{output}: with several documents, -o must be a folder")
+    targets = [(d, (output or Path(d).parent) / (Path(d).stem + ".kv")) for d in docs]
+    seen: dict[str, str] = {}
+    for doc, target in targets:
+        key = os.path.normcase(os.path.abspath(target))
+        if key in seen:
+            raise UsageError(f"{seen[key]} and {doc} would both be written to {target}; rename one or use separate -o folders")
+        seen[key] = doc
+    return targets, output
+
+
+def _make_folder(folder: Path) -> None:
+    """-o DIR for several documents: create it (and its parents) like mkdir -p."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KvcliError(f"{folder}: cannot create the output folder ({exc.strerror or exc})") from None
 
 
 @command
 def ask(
-    questions: Annotated[Optional[list[str]], typer.Argument(help="Questions (or -f FILE, or stdin).", show_default=False)] = None,
-    cache: Annotated[list[str], typer.Option("--cache", "-c", help="Cache to answer from: a folder or a URL (repeatable).")] = [],  # noqa: B006
-    questions_file: Annotated[Optional[str], typer.Option("--questions-file", "-f", help="One question per line ('-' for stdin); blank and # lines skipped.")] = None,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most answer tokens.")] = 256,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 for greedy (default).")] = 0.0,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling threshold (with --temperature).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
-    stop: Annotated[list[str], typer.Option(help="End the answer at this string (repeatable).")] = [],  # noqa: B006
+    questions: Annotated[Optional[list[str]], typer.Argument(metavar="QUESTION", help="Questions (or -f FILE, or stdin).", show_default=False)] = None,
+    cache: Annotated[list[str], typer.Option("--cache", "-c", metavar="CACHE", help="Cache to answer from: a folder or a URL (required, repeatable).", show_default=False)] = [],  # noqa: B006
+    questions_file: Annotated[Optional[str], typer.Option("--questions-file", "-f", metavar="FILE", help="One question per line ('-' for stdin); blank and # lines skipped.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most answer tokens.")] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0, metavar="T", help="0 for greedy (default).")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, metavar="P", help="Nucleus sampling threshold (with --temperature).")] = 1.0,
+    repetition_penalty: Annotated[float, typer.Option(min=0.0, metavar="R", help="Above 1 makes tokens already in the prompt or answer less likely (generate()'s own; 1: off).")] = 1.0,
+    no_repeat_ngram_size: Annotated[int, typer.Option(min=0, metavar="N", help="Never repeat an N-token sequence of the prompt or answer (0: off).")] = 0,
+    seed: Annotated[Optional[int], typer.Option(metavar="S", help="Seed for reproducible sampling.")] = None,
+    stop: Annotated[list[str], typer.Option(metavar="TEXT", help="End the answer at this string (repeatable).", show_default=False)] = [],  # noqa: B006
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     device: DeviceOpt = "auto",
-    dtype: Annotated[Optional[str], typer.Option(help="Compute dtype (default: the cache's).")] = None,
+    dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(help="Compute dtype (default: the cache's).")] = None,
     convert_dtype: Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")] = False,
     null: Annotated[bool, typer.Option("--null", "-0", help="End each plain answer with a NUL byte instead of a newline.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Also run each prompt and answer once without the cache and compare logits "
@@ -246,19 +305,22 @@ def ask(
 ) -> int:
     """Answer questions from cached documents, computing only the questions' tokens."""
     out = Output(quiet=quiet)
-    if not cache:
-        raise UsageError("--cache is required")
+    if not cache:  # checked before anything heavy loads: a usage error is instant
+        raise UsageError("--cache is required (the cache to answer from; make one with kvcli prefill DOC)")
     if top_p <= 0:
         raise UsageError("--top-p must be above 0")
-    qs = _gather_questions(questions or [], questions_file)
+    if repetition_penalty <= 0:
+        raise UsageError("--repetition-penalty must be above 0 (1 is off)")
     if trust_remote_code and not model:
         raise UsageError("--trust-remote-code needs an explicit --model: a cache must not choose whose code runs")
+    qs = _gather_questions(questions or [], questions_file)
     from .remote import is_url
 
     if check and server:
         raise UsageError("--check recomputes every prompt in this process: it cannot go through a server (drop --server)")
     if server is not False and not check and not any(is_url(c) for c in cache):  # a running `kvcli serve` answers without importing torch
-        options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop)}
+        options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
+                   "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size}
         fields = {"caches": [os.path.abspath(c) for c in cache], "questions": qs, "options": options, "model": _client_model(model),
                   "revision": revision, "device": device, "dtype": dtype, "convert_dtype": convert_dtype,
                   "trust_remote_code": trust_remote_code, "stream": not json_out}
@@ -274,7 +336,9 @@ def ask(
             return served
     from .engine import answer as an
 
-    opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop))
+    opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop),
+                                repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
+    several = len(cache) * len(qs) > 1 and not json_out and not null
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     first_error: Optional[KvcliError] = None
     differs = False
@@ -292,6 +356,13 @@ def ask(
             first_error = first_error or exc
             continue
         for q in qs:
+            out.check_stdout()  # a reader that left (`| head -1`) cancels the questions still to come
+            room = session.answer_room(q)
+            if room is not None and 0 < room < max_new_tokens:
+                out.warn(f"{_shown(path)}: only {room} positions are left after this question; the answer stops at {room} tokens, "
+                         f"not --max-new-tokens {max_new_tokens}")
+            if several:  # on a terminal only: which cache and question the next answer belongs to
+                out.heading(f"{_shown(path)}: {q}" if len(cache) > 1 else q)
             stream = None if json_out else out.write
             a = session.ask(q, opts, on_text=stream, check=check)
             a.cache = _shown(path)
@@ -303,6 +374,7 @@ def ask(
                 differs = differs or not a.check.identical
                 if not json_out:
                     out.note(f"kvcli: check: {_shown(path)}: {a.check.describe()}")
+            out.summary(_timing(a))
     if first_error:
         return first_error.exit_code
     return CHECK_DIFFERS_EXIT if differs else 0
@@ -378,7 +450,18 @@ def _served(out: Output, require: Optional[bool], op: str, fields: dict, spellin
     raise ServerError(f"{where}: the server stopped before the answer was complete")
 
 
+def _timing(a) -> str:
+    n = len(a.answer_token_ids)
+    rate = (n - 1) / (a.total_s - a.ttft_s) if n > 1 and a.ttft_s is not None and a.total_s > a.ttft_s else None
+    ttft = f", first token {a.ttft_s:.2f} s" if a.ttft_s is not None else ""
+    line = f"{n} tokens in {a.total_s:.1f} s{ttft}" + (f", {rate:.1f} tokens/s" if rate else "")
+    return line + (" (stopped at --max-new-tokens)" if a.finish_reason == "length" else "")
+
+
 def _gather_questions(args: list[str], questions_file: Optional[str]) -> list[str]:
+    for n, q in enumerate(args, 1):
+        if not q.strip():
+            raise UsageError(f"question {n} is empty" if len(args) > 1 else "the question is empty")
     qs = list(args)
     if questions_file is not None:
         try:
@@ -397,7 +480,7 @@ def _gather_questions(args: list[str], questions_file: Optional[str]) -> list[st
 
 @command
 def info(
-    cache: Annotated[str, typer.Argument(help="Cache directory or URL.")],
+    cache: Annotated[str, typer.Argument(metavar="CACHE", help="Cache directory or URL.")],
     json_out: JsonOpt = False,
 ) -> int:
     """Show a cache's manifest: model, document, tokens, layers and sizes."""
@@ -441,7 +524,7 @@ def info(
 
 @command
 def verify(
-    caches: Annotated[list[str], typer.Argument(help="Cache directories or URLs.")],
+    caches: Annotated[list[str], typer.Argument(metavar="CACHE", help="Cache directories or URLs.")],
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> int:
@@ -476,10 +559,10 @@ def _verify(path: str):
 
 @command
 def ls(
-    folder: Annotated[str, typer.Argument(help="Folder or URL prefix to list.")] = ".",
+    folder: Annotated[str, typer.Argument(metavar="DIR", help="Folder or URL prefix to list (default: the current one).", show_default=False)] = ".",
     json_out: JsonOpt = False,
 ) -> int:
-    """List the caches in a folder: tokens, model, size, ratio and age."""
+    """List the caches in a folder: document, tokens, model, size, ratio and age."""
     from rich.table import Table
     from rich.text import Text
 
@@ -497,29 +580,124 @@ def ls(
         raise UsageError(f"{folder}: not a folder")
     else:
         rows = catalog.find(Path(folder))
+    if not rows:
+        out.note(f"{folder}: no kvcli cache here")
     if json_out:
         out.json_doc(rows)
         return 0
-    table = Table("cache", "tokens", "model", "on disk", "ratio", "age", title=Text(str(folder)))
+    if not rows:
+        return 0
+    table = Table("cache", "document", "tokens", "model", "on disk", "ratio", "age", title=Text(str(folder)))
     for r in rows:
         if "error" in r:
-            table.add_row(Text(Path(r["path"]).name), "-", Text(r["error"], style="red"), "-", "-", "-")
+            table.add_row(Text(Path(r["path"]).name), "-", "-", Text(r["error"], style="red"), "-", "-", "-")
             continue
-        table.add_row(Text(Path(r["path"]).name), f"{r['num_tokens']:,}", Text(str(r["model"])), human_bytes(r["bytes_on_disk"]), f"{r['ratio']:.1%}", _age(r["age_s"]))
+        table.add_row(Text(Path(r["path"]).name), Text(str(r["document"].get("name"))), f"{r['num_tokens']:,}", Text(str(r["model"])),
+                      human_bytes(r["bytes_on_disk"]), f"{r['ratio']:.1%}", _age(r["age_s"]))
     out.table(table)
     return 0
 
 
 @command
+def rm(
+    caches: Annotated[list[Path], typer.Argument(metavar="CACHE", help="Cache directories to remove.")],
+    quiet: QuietOpt = False,
+) -> int:
+    """Remove kvcli caches. Anything that is not a kvcli cache is refused, and then nothing is removed."""
+    from .format import housekeeping as hk
+
+    out = Output(quiet=quiet)
+    hk.check_removable(caches)
+    for path in caches:
+        r = hk.remove_cache(path)
+        out.note(f"removed {r.path} ({human_bytes(r.bytes)})")
+    return 0
+
+
+@command
+def prune(
+    folder: Annotated[Path, typer.Argument(metavar="DIR", help="Folder to clean (default: the current one).", show_default=False)] = Path("."),
+    older_than: Annotated[Optional[str], typer.Option(metavar="AGE", help="Also remove caches older than AGE (30d, 12h, 90m, 2w).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="List what would be removed; remove nothing.")] = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Remove leftovers of interrupted prefills (.kvtmp folders) and, with --older-than, old caches.
+
+    Prints each removed path on stdout (what would be removed, with --dry-run).
+    """
+    from .format import housekeeping as hk
+
+    out = Output(quiet=quiet)
+    age = hk.parse_age(older_than) if older_than is not None else None
+    removed = hk.prune(folder, older_than_s=age, dry_run=dry_run)
+    for r in removed:
+        out.json_line({"path": str(r.path), "kind": r.kind, "bytes": r.bytes, "dry_run": dry_run}) if json_out else out.write(f"{r.path}\n")
+    caches = sum(r.kind == "cache" for r in removed)
+    verb = "would remove" if dry_run else "removed"
+    out.note(f"{folder}: {verb} {caches} cache{'s' * (caches != 1)} and {len(removed) - caches} leftover{'s' * (len(removed) - caches != 1)} "
+             f"({human_bytes(sum(r.bytes for r in removed))})")
+    return 0
+
+
+@command
+def count(
+    docs: Annotated[list[str], typer.Argument(metavar="DOC", help="Document files ('-' reads stdin).", show_default=False)],
+    model: ModelOpt = None,
+    revision: RevisionOpt = None,
+    system: SystemOpt = None,
+    framing: FramingOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    encoding: EncodingOpt = "utf-8",
+    trust_remote_code: TrustOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Tokens, cache size and room left for each document, from the tokenizer and config only (no model run)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from . import documents
+
+    out = Output(quiet=quiet)
+    documents.check_encoding(encoding)
+    if docs.count("-") > 1:
+        raise UsageError("stdin ('-') can be read only once")
+    texts = [documents.read(d, encoding) for d in docs]  # every document first: a bad one fails before the tokenizer loads
+    from .engine import counting
+
+    with out.status("loading tokenizer"):
+        counter = counting.Counter(model, revision=revision, dtype=dtype, framing=framing, system=system, trust_remote_code=trust_remote_code)
+    counts = [counter.count(t) for t in texts]
+    if json_out:
+        for c in counts:
+            out.json_line(c.to_json())
+    else:
+        table = Table("document", "tokens", "cache raw", "on disk (est.)", "room left", "prefill (est.)")
+        for c in counts:
+            room = "-" if c.room is None else (f"{c.room:,}" if c.fits else Text(f"{c.room:,} (too long)", style="red"))
+            table.add_row(Text(c.document), f"{c.tokens:,}", human_bytes(c.bytes_raw), human_bytes(c.bytes_on_disk_estimate),
+                          room, "-" if c.prefill_s_estimate is None else f"~{c.prefill_s_estimate:,.0f} s")
+        out.table(table)
+    limit = f"{counter.max_positions:,} positions" if counter.max_positions else "no position limit"
+    out.note(f"{counter.dtype}, {limit}; on-disk size from measured ratios and prefill time for a 2-core CPU: estimates")
+    too_long = [c.document for c in counts if not c.fits]
+    if too_long:
+        out.error(f"{', '.join(too_long)}: too long for the model (prefill would refuse it)")
+        return 1
+    return 0
+
+
+@command
 def bench(
-    doc: Annotated[Path, typer.Argument(help="Document to measure with (repeated or cut to each length).")],
-    tokens: Annotated[list[int], typer.Option("--tokens", "-n", help="Document lengths in tokens (repeatable; default: 1k, 2k, 4k, 8k within the model's limit).")] = [],  # noqa: B006
-    questions: Annotated[int, typer.Option(min=1, help="Questions timed per length.")] = 3,
-    answer_tokens: Annotated[int, typer.Option(min=1, help="Tokens per whole answer compared with a full recompute.")] = 32,
+    doc: Annotated[Path, typer.Argument(metavar="DOC", help="Document to measure with (repeated or cut to each length).")],
+    tokens: Annotated[list[int], typer.Option("--tokens", "-n", metavar="N", show_default=False, help="Document lengths in tokens (repeatable; default: 1k, 2k, 4k, 8k within the model's limit).")] = [],  # noqa: B006
+    questions: Annotated[int, typer.Option(min=1, metavar="N", help="Questions timed per length.")] = 3,
+    answer_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Tokens per whole answer compared with a full recompute.")] = 32,
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     device: DeviceOpt = "auto",
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    dtype: DtypeOpt = "auto",
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> int:

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DocumentError
+from .errors import DocumentError, UsageError
 
 MAX_DOCUMENT_BYTES = 256 * 1024 * 1024
 _WIDE = ("utf-16", "utf16", "utf-32", "utf32", "ucs-2", "ucs2", "ucs-4", "ucs4")  # where NUL bytes are normal
@@ -71,3 +71,13 @@ def read(path: str | Path, encoding: str = "utf-8") -> Document:
     if len(data) > MAX_DOCUMENT_BYTES:
         raise DocumentError(f"{path}: larger than {MAX_DOCUMENT_BYTES // (1024 * 1024)} MiB")
     return decode(data, str(path), encoding)
+
+
+def check_encoding(encoding: str) -> None:
+    """Refuse an unknown --encoding at once (a usage error), before any model loads."""
+    import codecs
+
+    try:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise UsageError(f"--encoding {encoding}: unknown encoding (for example utf-8, latin-1, utf-16, cp1252)") from None

@@ -1,10 +1,13 @@
 """The only place that writes to the terminal: answers and JSON to stdout, everything else to stderr.
 
-Progress bars show only when stderr is a terminal; --quiet silences all but errors.
+Progress bars, answer headings and timing summaries show only on a terminal; --quiet silences all but
+errors. A closed stdout (a reader such as `head` quit) raises BrokenPipeError out of every write, so the
+command stops and cli.py ends it quietly with EXIT_PIPE.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -17,18 +20,70 @@ from rich.console import Console
 
 from .errors import KvcliError
 
+EXIT_PIPE = 141  # stdout closed early: what a shell reports for a process ended by SIGPIPE (128 + 13)
+
+
+def is_terminal(stream: Any) -> bool:
+    """Whether a stream is an interactive terminal (one place, so tests can pretend)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def is_broken_pipe(exc: BaseException) -> bool:
+    return isinstance(exc, BrokenPipeError) or (isinstance(exc, OSError) and exc.errno == errno.EPIPE)
+
+
+def stdout_gone() -> None:
+    """Point stdout at /dev/null after its reader left, so the interpreter's exit-time flush stays quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (a test runner's buffer)
+        pass
+
+
+class _StdoutConsole(Console):
+    """rich exits the process on a broken pipe; raise instead, so the command wrapper ends it in one place."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError(errno.EPIPE, "stdout closed")
+
 
 class Output:
     def __init__(self, *, quiet: bool = False, json_mode: bool = False):
         self.quiet = quiet
         self.json_mode = json_mode
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)
-        self.interactive = self.err.is_terminal and not quiet
+        self.interactive = is_terminal(sys.stderr) and not quiet
+        self.stdout_terminal = is_terminal(sys.stdout)
 
     # ---- stdout: data only
     def write(self, text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
+
+    def check_stdout(self) -> None:
+        """Raise BrokenPipeError when stdout is a pipe whose reader has gone (POLLERR), so no work is done for nobody."""
+        import select
+
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, ValueError, OSError):  # not a real file (a test runner's buffer)
+            return
+        if not hasattr(select, "poll"):
+            return
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if any(events & select.POLLERR for _, events in poller.poll(0)):
+            raise BrokenPipeError(errno.EPIPE, "stdout closed")
+
+    def heading(self, text: str) -> None:
+        """A line naming what the next answer belongs to: only when stdout is a terminal (a pipe gets answers only)."""
+        if self.stdout_terminal:
+            _StdoutConsole(soft_wrap=True, highlight=False).print(text, style="bold cyan", markup=False)
 
     def json_line(self, obj: Any) -> None:
         self.write(json.dumps(obj, ensure_ascii=False) + "\n")
@@ -37,12 +92,17 @@ class Output:
         self.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
     def table(self, table: Any) -> None:
-        Console(soft_wrap=True).print(table)
+        _StdoutConsole(soft_wrap=True).print(table)
 
     # ---- stderr: everything for people
     def note(self, message: str) -> None:
         if not self.quiet:
             self.err.print(message, markup=False)
+
+    def summary(self, message: str) -> None:
+        """A short line for people watching a terminal (timings): never in logs or pipes."""
+        if self.interactive:
+            self.err.print(message, style="dim", markup=False)
 
     def warn(self, message: str) -> None:
         if not self.quiet:
@@ -76,11 +136,11 @@ class Output:
         ) as bar:
             if overall:
                 bar.add_task("documents", total=overall[1], completed=overall[0] - 1, rate="")
-            task = bar.add_task(label, total=None, rate="")
+            task = bar.add_task(label, total=None, rate="", visible=False)  # hidden until its total is known: never "0/?"
 
             def update(done: int, total: int) -> None:
                 rate = done / max(time.perf_counter() - start, 1e-9)
-                bar.update(task, completed=done, total=total, rate=f"{rate:,.0f} {unit}/s")
+                bar.update(task, completed=done, total=total, rate=f"{rate:,.0f} {unit}/s" if done else "", visible=True)
 
             yield update
 

@@ -151,9 +151,15 @@ def test_ls(caches, docs):
     assert human.exit_code == 0 and "a.kv" in human.stdout
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["info", "{cache}"], ["verify", "{cache}"], ["ls", "{folder}"], ["ask", "--help"]])
-def test_light_commands_do_not_import_torch(caches, argv):
-    argv = [a.format(cache=caches[0], folder=caches[0].parent) for a in argv]
+@pytest.mark.parametrize("argv", [["--help"], ["info", "{cache}"], ["verify", "{cache}"], ["ls", "{folder}"], ["ask", "--help"],
+                                  ["ls", "{empty}"], ["prune", "{folder}", "--older-than", "30d", "--dry-run"], ["rm", "{copy}"],
+                                  ["count", "--help"], ["rm", "--help"]])
+def test_light_commands_do_not_import_torch(caches, argv, tmp_path):
+    import shutil
+
+    shutil.copytree(caches[0], tmp_path / "copy.kv")
+    (tmp_path / "empty").mkdir()
+    argv = [a.format(cache=caches[0], folder=caches[0].parent, empty=tmp_path / "empty", copy=tmp_path / "copy.kv") for a in argv]
     code = (
         "import sys\n"
         "from kvcli.cli import app\n"

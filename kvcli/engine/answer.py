@@ -53,6 +53,9 @@ class GenerationOptions:
     top_p: float = 1.0
     seed: int | None = None
     stop: Sequence[str] = field(default_factory=tuple)
+    # generate()'s own anti-repetition settings; like generate() they see every prompt id (document included).
+    repetition_penalty: float = 1.0  # 1.0: off; >1 makes tokens already seen less likely
+    no_repeat_ngram_size: int = 0  # 0: off; n>0 never repeats an n-gram of the prompt or answer
 
 
 class _Stream:
@@ -129,6 +132,11 @@ class Session:
     def prompt_ids(self, question: str) -> list[int]:
         return self.token_ids + fr.question_ids(self.lm.tokenizer, self.framing, question, self.token_ids)
 
+    def answer_room(self, question: str) -> int | None:
+        """Positions left for the answer after this question's prompt (None: the model sets no limit)."""
+        limit = self.lm.max_positions
+        return None if not limit else limit - len(self.prompt_ids(question))
+
     def ask(self, question: str, options: GenerationOptions | None = None, on_text: TokenFn | None = None,
             *, check: bool = False) -> Answer:
         """Answer one question; on_text receives the answer's text as it is generated.
@@ -162,6 +170,7 @@ class Session:
             kwargs.update(temperature=opts.temperature, top_p=opts.top_p, top_k=0)
             if opts.seed is not None:
                 torch.manual_seed(opts.seed)
+        kwargs.update(repetition_penalty=opts.repetition_penalty, no_repeat_ngram_size=opts.no_repeat_ngram_size)
         if opts.stop:
             kwargs.update(stop_strings=list(opts.stop), tokenizer=tok)
         if check:  # the raw logits of every answer step, before any processor: what --check compares

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -99,9 +100,21 @@ def resolve(spec: str | None, *, revision: str | None = None) -> dict[str, Any]:
         if not (path / "config.json").is_file():
             raise ModelError(f"{path}: not a transformers model folder (no config.json)")
         return {"kind": "folder", "name": path.resolve().name, "path": str(path.resolve())}
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise ModelError(f"{spec}: no model folder or .gguf file at this path")
+    if path.exists() or _looks_like_path(spec):
+        what = "exists but is neither a model folder nor a .gguf file" if path.exists() else "no such model folder or .gguf file"
+        raise ModelError(f"{spec}: {what}", hint="--model takes a model folder, a .gguf file, or a hub id such as org/name")
     return {"kind": "hub", "name": spec, "id": spec, "revision": revision}
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _looks_like_path(spec: str) -> bool:
+    """A --model value meant as a local path: not shaped like a hub id ('name' or 'org/name'), or under a
+    folder that exists here (models/llama, when ./models exists)."""
+    if spec.startswith((".", "/", "~")) or "\\" in spec or not _HUB_ID.fullmatch(spec):
+        return True
+    return "/" in spec and Path(spec).parent.is_dir()
 
 
 def reload_source(source: dict[str, Any]) -> dict[str, Any]:
@@ -118,7 +131,14 @@ def reload_source(source: dict[str, Any]) -> dict[str, Any]:
             if _cached_sha(path) != source.get("sha256"):
                 raise ModelError(f"{path}: the GGUF file changed since the cache was built; pass --model or rebuild the cache")
         return dict(source)
-    if kind in ("folder", "hub"):
+    if kind == "folder":
+        path = Path(str(source.get("path")))
+        if not (path / "config.json").is_file():
+            why = "no longer exists (moved or deleted?)" if not path.exists() else "no longer holds a model (no config.json)"
+            raise ModelError(f"{path}: the model folder this cache was built with {why}",
+                             hint="pass --model with the model's new location")
+        return dict(source)
+    if kind == "hub":
         return dict(source)
     raise ModelError(f"the cache was built from a model kvcli cannot reload ({kind}); pass --model")
 
@@ -252,6 +272,28 @@ def load_config(source: dict[str, Any], *, trust_remote_code: bool = False, prog
             return AutoConfig.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise _load_error(source, exc) from exc
+
+
+def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = False):
+    """Config and tokenizer only, never the weights (a GGUF model not yet converted is read in place)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    where, extra = None, {}
+    if source["kind"] not in ("default", "gguf"):
+        where = _load_path(source, None)
+    else:
+        folder = kvcli_home() / "models" / f"gguf-{source['sha256'][:16]}"
+        if (folder / "config.json").is_file():
+            where = str(folder)
+        else:
+            where, extra = str(Path(source["path"]).parent), {"gguf_file": Path(source["path"]).name}
+    try:
+        with _quiet_transformers():
+            config = AutoConfig.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code, **extra)
+            tok = AutoTokenizer.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code, **extra)
+    except Exception as exc:
+        raise _load_error(source, exc) from exc
+    return config, tok
 
 
 def _load_path(source: dict[str, Any], progress: Progress | None) -> str:

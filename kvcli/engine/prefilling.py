@@ -67,6 +67,8 @@ def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: Progr
 
     total = len(ids)
     cache = roomy(DynamicCache(config=lm.model.config), reserve=total)
+    if progress:
+        progress(0, total)  # the total is known before the first chunk: a bar shows 0/N, never 0/?
     with torch.inference_mode(), fast_attention(lm):
         for start in range(0, total, chunk_size):
             chunk = torch.tensor([ids[start : start + chunk_size]], device=lm.device)  # [1, chunk]

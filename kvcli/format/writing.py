@@ -81,21 +81,33 @@ def clean_stale(target: Path) -> None:
     except OSError:
         return
     for entry in entries:
-        if not entry.name.startswith(prefix):
-            continue
-        pid = entry.name[len(prefix) :].split("-")[0]
-        if pid.isdigit() and _alive(int(pid)):
-            continue
-        if entry.is_symlink() or not entry.is_dir():
+        if entry.name.startswith(prefix):
+            remove_if_stale(entry)
+
+
+def is_leftover(entry: Path) -> bool:
+    """A hidden temporary folder (or file) of a kvcli writer: '.NAME.kvtmp-PID-...'."""
+    return entry.name.startswith(".") and TMP_MARK in entry.name
+
+
+def remove_if_stale(entry: Path, *, dry_run: bool = False) -> bool:
+    """Remove a temporary sibling whose writer is gone (process dead, lock free); True if it was (or would be)."""
+    pid = entry.name.split(TMP_MARK, 1)[1].split("-")[0] if TMP_MARK in entry.name else ""
+    if pid.isdigit() and _alive(int(pid)):
+        return False
+    if entry.is_symlink() or not entry.is_dir():
+        if not dry_run:
             _remove(entry)
-            continue
-        lock = _lock(entry, block=False)
-        if lock is None:  # a writer (perhaps on another host sharing this folder) still holds it
-            continue
-        try:
+        return True
+    lock = _lock(entry, block=False)
+    if lock is None:  # a writer (perhaps on another host sharing this folder) still holds it
+        return False
+    try:
+        if not dry_run:
             _remove(entry)
-        finally:
-            os.close(lock)
+    finally:
+        os.close(lock)
+    return True
 
 
 def _lock(directory: Path, *, block: bool) -> int | None:

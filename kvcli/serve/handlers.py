@@ -90,7 +90,7 @@ def _options(req: dict[str, Any]):
     o = req.get("options") or {}
     if not isinstance(o, dict):
         raise protocol.ProtocolError("options must be an object")
-    known = {"max_new_tokens", "temperature", "top_p", "seed", "stop"}
+    known = {"max_new_tokens", "temperature", "top_p", "seed", "stop", "repetition_penalty", "no_repeat_ngram_size"}
     extra = set(o) - known
     if extra:
         raise protocol.ProtocolError(f"unknown options: {', '.join(sorted(extra))}")

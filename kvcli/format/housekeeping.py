@@ -1,0 +1,129 @@
+"""Removing caches safely (`kvcli rm`) and clearing leftovers and old caches (`kvcli prune`). No torch here.
+
+Only kvcli caches are removed: a real folder (no symlink) holding a manifest of format "kvcli-cache"
+and nothing but that manifest and layer shards. A cache is first renamed to a hidden temporary
+sibling, then deleted, so no reader ever sees half a cache (and `prune` finishes an interrupted removal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import manifest as mf
+from ..errors import KvcliError, UsageError
+from .store import TMP_MARK
+from .writing import is_leftover, remove_if_stale
+
+_SHARD = re.compile(r"layer_\d{3}\.safetensors\.zst")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+@dataclass(frozen=True)
+class Removal:
+    path: Path
+    kind: str  # "cache" or "leftover" (a temporary folder of a killed or interrupted writer)
+    bytes: int
+    age_s: float | None = None
+
+
+def not_a_cache(path: Path) -> str | None:
+    """Why `path` is not a removable kvcli cache, or None when it is one."""
+    if path.is_symlink():
+        return "is a symbolic link, not a cache"
+    if not path.exists():
+        return "no such file or folder"
+    if not path.is_dir():
+        return "is a file, not a kvcli cache"
+    if TMP_MARK in path.name:
+        return "is a kvcli temporary folder (kvcli prune clears those)"
+    try:
+        body = json.loads((path / mf.MANIFEST_NAME).read_bytes())
+    except FileNotFoundError:
+        return f"is not a kvcli cache (no {mf.MANIFEST_NAME})"
+    except (OSError, ValueError):
+        return f"is not a kvcli cache ({mf.MANIFEST_NAME} is not readable JSON)"
+    if not isinstance(body, dict) or body.get("format") != mf.FORMAT_NAME:
+        return f"is not a kvcli cache ({mf.MANIFEST_NAME} is not a kvcli manifest)"
+    others = sorted(e.name for e in path.iterdir() if e.name != mf.MANIFEST_NAME and not (_SHARD.fullmatch(e.name) and e.is_file() and not e.is_symlink()))
+    if others:
+        return f"holds files that are not part of a kvcli cache ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+    return None
+
+
+def size_of(path: Path) -> int:
+    if path.is_symlink() or not path.is_dir():
+        return path.lstat().st_size
+    return sum(e.stat(follow_symlinks=False).st_size for e in path.rglob("*"))
+
+
+def age_of(path: Path) -> float:
+    """Seconds since the cache was written (its manifest's mtime, as `kvcli ls` shows)."""
+    return max(0.0, time.time() - os.stat(path / mf.MANIFEST_NAME).st_mtime)
+
+
+def remove_cache(path: str | os.PathLike) -> Removal:
+    """Delete one kvcli cache; refuse (KvcliError) anything else, touching nothing."""
+    path = Path(path)
+    why = not_a_cache(path)
+    if why:
+        raise KvcliError(f"{path}: {why}; refusing to remove it")
+    size = size_of(path)
+    hidden = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-rm-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, hidden)  # one step: readers see the whole cache or none
+    except OSError as exc:
+        raise KvcliError(f"{path}: cannot remove ({exc.strerror or exc})") from None
+    shutil.rmtree(hidden, ignore_errors=True)
+    return Removal(path=path, kind="cache", bytes=size)
+
+
+def check_removable(paths: list[Path]) -> None:
+    """Refuse the whole request, before removing anything, if any path is not a kvcli cache."""
+    for path in paths:
+        why = not_a_cache(Path(path))
+        if why:
+            raise KvcliError(f"{path}: {why}; refusing to remove it (nothing was removed)")
+
+
+def parse_age(text: str) -> float:
+    """'30d', '12h', '90m', '45s', '2w' -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text or "")
+    if not m:
+        raise UsageError(f"--older-than {text}: give a number and a unit s, m, h, d or w (for example 30d)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def prune(folder: str | os.PathLike, *, older_than_s: float | None = None, dry_run: bool = False) -> list[Removal]:
+    """Remove leftovers of dead writers in `folder`, and with older_than_s the caches older than that.
+
+    Only entries directly inside `folder` are considered; a leftover whose writer still runs is kept.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: not a folder")
+    done: list[Removal] = []
+    for entry in sorted(folder.iterdir()):
+        if is_leftover(entry):
+            size = _safe_size(entry)
+            if remove_if_stale(entry, dry_run=dry_run):
+                done.append(Removal(path=entry, kind="leftover", bytes=size))
+        elif older_than_s is not None and not_a_cache(entry) is None:
+            age = age_of(entry)
+            if age >= older_than_s:
+                done.append(Removal(path=entry, kind="cache", bytes=size_of(entry), age_s=age) if dry_run
+                            else Removal(path=entry, kind="cache", bytes=remove_cache(entry).bytes, age_s=age))
+    return done
+
+
+def _safe_size(path: Path) -> int:
+    try:
+        return size_of(path)
+    except OSError:
+        return 0
