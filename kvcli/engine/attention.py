@@ -54,3 +54,11 @@ def select(model: Any) -> bool:
         return False
     model.set_attn_implementation(register())
     return model.config._attn_implementation == NAME
+
+
+def kernel_name(implementation: str | None) -> str:
+    """The attention kernel behind an implementation name, as caches record it: kvcli's is torch's sdpa
+    (same kernel, grouped heads read in place; tests/test_attention.py shows identical logits)."""
+    if implementation == NAME:
+        return "sdpa"
+    return str(implementation or "unknown")

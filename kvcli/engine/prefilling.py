@@ -157,10 +157,12 @@ def provenance(lm: LoadedModel) -> dict[str, str]:
     """What computes the keys/values here: torch build, device type, attention implementation."""
     import torch
 
+    from . import attention
+
     return {
         "torch_version": torch.__version__,
         "device_type": lm.device.type,
-        "attn_implementation": str(getattr(lm.model.config, "_attn_implementation", None) or "unknown"),
+        "attn_implementation": attention.kernel_name(getattr(lm.model.config, "_attn_implementation", None)),
     }
 
 
