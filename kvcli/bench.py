@@ -7,6 +7,7 @@ For each document length it times, on the same framed token ids:
   (torch.save of the per-layer tensors, torch.load back),
 - time to first answer token for questions with the cache (a fresh Session per question, so the
   restore is included) and without it (generate() recomputing the full prompt),
+- decode speed: answer tokens per second after the first, from the restored cache,
 and reports sizes (raw tensor bytes, on disk, naive) and the ratios between all of these. Each question is
 also answered in full (answer_tokens) with the cache and checked against a full recompute (engine/check.py):
 answers identical, first divergent positions, largest logit difference, near-tie margins.
@@ -23,12 +24,13 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from . import __version__
 
-from .engine import framing as fr, layers, prefilling as pf, restore
+from .engine import framing as fr, prefilling as pf, restore
 
 from .format import store
 from .documents import Document
@@ -38,6 +40,7 @@ from .engine.models import LoadedModel
 DEFAULT_SIZES = (1024, 2048, 4096, 8192)
 RESTORE_REPEATS = 3
 ANSWER_TOKENS = 32  # tokens per answer compared with recompute
+DECODE_TOKENS = 64  # answer tokens generated to measure decode speed
 QUESTIONS = (
     "What is this document about, in one sentence?",
     "Who or what does the document name first?",
@@ -130,13 +133,13 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
     x = torch.tensor([ids], device=lm.device)
 
     note("  plain transformers prefill, one forward")
-    with torch.inference_mode():
+    with torch.inference_mode(), _plain_attention(model):
         t0 = time.perf_counter()
         model(input_ids=x, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
         row["plain_prefill_s"] = time.perf_counter() - t0
 
     note(f"  plain transformers prefill, chunks of {chunk_size}")
-    with torch.inference_mode():
+    with torch.inference_mode(), _plain_attention(model):
         t0 = time.perf_counter()
         cache = DynamicCache(config=model.config)
         for start in range(0, len(ids), chunk_size):
@@ -152,13 +155,12 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
     shards = sum(layer.stored_bytes for layer in m.layers)
     row.update(bytes_raw=m.bytes_raw, bytes_shards=shards, bytes_on_disk=sum(f.stat().st_size for f in path.iterdir()))
 
-    note(f"  restore x{RESTORE_REPEATS} (read, verify, decompress, build the cache)")
+    note(f"  restore x{RESTORE_REPEATS} (read, verify, decompress into the cache object)")
     times = []
     for _ in range(RESTORE_REPEATS):
         t0 = time.perf_counter()
         with store.open_cache(path) as opened:
-            states = restore.load_states(opened, device=lm.device, dtype=lm.dtype)
-        restore.new_cache(lm, states)
+            states = restore.load_cache(opened, device=lm.device, dtype=lm.dtype).states()
         times.append(time.perf_counter() - t0)
     row["restore_s"] = statistics.median(times)
     row["restore_all_s"] = times
@@ -178,8 +180,6 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
         t0 = time.perf_counter()
         # The naive baseline people use: its own file, just written above; never a cache (weights_only: no code).
         loaded = torch.load(naive, map_location=lm.device, weights_only=True)
-        kinds = [(e.kind, e.seq_length, e.sliding_window) for e in m.layers]
-        restore.new_cache(lm, [layers.LayerState(kind, k, v, seq, win) for (k, v), (kind, seq, win) in zip(loaded, kinds)])
         times.append(time.perf_counter() - t0)
         del loaded
     row["naive_restore_s"] = statistics.median(times)
@@ -198,7 +198,7 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
         if model.generation_config.pad_token_id is None and lm.tokenizer.pad_token_id is None:
             kwargs["pad_token_id"] = lm.tokenizer.eos_token_id
         del session
-        with torch.inference_mode():
+        with torch.inference_mode(), _plain_attention(model):
             t0 = time.perf_counter()
             out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=False, **kwargs)
             recomputed.append(time.perf_counter() - t0)
@@ -213,6 +213,11 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
     opts = answer.GenerationOptions(max_new_tokens=answer_tokens)
     row["check"] = check.summarize(session.ask(q, opts, check=True).check for q in qs)
     del session
+    note(f"  decode: {DECODE_TOKENS} answer tokens from the cache")
+    a = answer.Session(lm, path).ask(qs[0], answer.GenerationOptions(max_new_tokens=DECODE_TOKENS))
+    after_first = len(a.answer_token_ids) - 1
+    row.update(decode_tokens=after_first, decode_s=a.total_s - a.ttft_s,
+               decode_tok_s=after_first / (a.total_s - a.ttft_s) if after_first > 0 else float("nan"))
     row["load_average_end"] = _loadavg()
     row["ratios"] = _ratios(row)
     return row
@@ -235,6 +240,19 @@ def _ratios(r: dict[str, Any]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+@contextmanager
+def _plain_attention(model):
+    """Baselines run transformers' own sdpa attention, not the one kvcli selects for its model."""
+    was = model.config._attn_implementation
+    if was != "sdpa" and was.startswith("kvcli"):
+        model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        if model.config._attn_implementation != was:
+            model.set_attn_implementation(was)
 
 
 def _warm_up(lm: LoadedModel) -> None:
@@ -298,6 +316,7 @@ def render(result: dict[str, Any]):
         ("  same 1st token", lambda r, q: "yes" if r["first_tokens_match"] else "NO"),
         ("answers = recompute", lambda r, q: f"{r['check']['identical']}/{r['check']['answers']}"),
         ("  max logit diff", lambda r, q: f"{r['check']['max_logit_diff']:.2g}"),
+        ("decode", lambda r, q: f"{r['decode_tok_s']:.1f} tok/s"),
         ("restore", lambda r, q: f"{r['restore_s']:.3f} s"),
         ("  GB/s of raw", lambda r, q: f"{q['restore_gb_per_s']:.2f}"),
         ("raw / on disk", lambda r, q: f"{r['bytes_raw'] / 1e6:,.1f} / {r['bytes_on_disk'] / 1e6:,.1f} MB"),

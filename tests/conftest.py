@@ -111,16 +111,25 @@ def default_lm(session_home):
 
 
 def reference_answer(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy answer ids from generate() on the full prompt with no cache: the ground truth."""
+    """Greedy answer ids from generate() on the full prompt with no cache: the ground truth.
+
+    Run with transformers' own attention (sdpa), not the one kvcli selected for the model."""
     import torch
 
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-        )
+    was = model.config._attn_implementation
+    if was.startswith("kvcli"):
+        model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )
+    finally:
+        if model.config._attn_implementation != was:
+            model.set_attn_implementation(was)
     return out[0, len(prompt_ids):].tolist()
 
 

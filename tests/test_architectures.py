@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 import kvcli
-from kvcli.engine import layers, restore
+from kvcli.engine import layers
+from kvcli.engine.kvcache import KVCache, check_layout
 from kvcli.documents import decode
 from kvcli.errors import CacheMismatchError, ModelError
 from kvcli.engine.prefilling import prefill
@@ -221,7 +222,7 @@ def test_restored_cache_counts_the_whole_document(arch, name):
     a = arch(name)
     session = kvcli.Session(a.lm, a.path)
     n = len(session.token_ids)
-    cache = restore.new_cache(a.lm, session.states)
+    cache = session.cache
     assert [layer.get_seq_length() for layer in cache.layers] == [n] * len(a.plan)
     assert cache.get_seq_length() == n
     for layer, (kind, window) in zip(cache.layers, a.plan):
@@ -252,7 +253,8 @@ def test_wrong_counted_length_recomputes_the_document_and_the_counter_shows_it(a
     a = arch(name)
     good = kvcli.Session(a.lm, a.path)
     bad = kvcli.Session(a.lm, a.path)
-    bad.states = [dataclasses.replace(s, seq_length=s.keys.shape[-2]) if s.kind == "sliding" else s for s in bad.states]
+    bad.cache = KVCache.from_states(
+        [dataclasses.replace(s, seq_length=s.keys.shape[-2]) if s.kind == "sliding" else s for s in bad.states])
     n = len(good.token_ids)
     counter = TokenCounter(a.model)
     try:
@@ -306,15 +308,15 @@ def test_layer_check_catches_other_layer_kinds_even_when_hashes_agree(arch):
     assert "layer 0 is sliding (window 48) in the cache, full (window None) in the model" in str(err.value)
 
 
-def test_fill_refuses_states_of_another_layout(arch):
+def test_states_of_another_layout_are_refused(arch):
     a = arch("gemma2")
     states = kvcli.Session(a.lm, a.path).states
-    from transformers import DynamicCache
-
+    plan = layers.plan(a.model.config)
+    check_layout(plan, states)
     with pytest.raises(ModelError, match="layer 0: model has a sliding layer \\(window 24\\), cache holds full"):
-        layers.fill(DynamicCache(config=a.model.config), [dataclasses.replace(states[0], kind="full", sliding_window=None), *states[1:]])
+        KVCache.from_states([dataclasses.replace(states[0], kind="full", sliding_window=None), *states[1:]], plan=plan)
     with pytest.raises(ModelError, match="cache layers"):
-        layers.fill(DynamicCache(config=a.model.config), states[:-1])
+        check_layout(plan, states[:-1])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -466,8 +468,8 @@ def test_cache_of_a_supported_model_is_refused_by_an_unsupported_one(arch, token
 
 
 def test_prefill_refuses_a_hybrid_cache_even_when_the_model_check_is_bypassed(tokenizer, tmp_path):
-    """layers.read refuses state it cannot store (here falcon_h1's SSM state next to its keys/values) rather than
-    writing a cache of keys/values alone."""
+    """The prefill's cache is built from layers.plan, which refuses state kvcli cannot store (here falcon_h1's SSM
+    state next to its keys/values) before any forward pass: no cache of keys/values alone is written."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -476,7 +478,7 @@ def test_prefill_refuses_a_hybrid_cache_even_when_the_model_check_is_bypassed(to
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_refused_config("falcon_h1", len(tokenizer))).eval()
     lm = LoadedModel(model=model, tokenizer=tokenizer, source={"kind": "object", "name": "x"}, fingerprint=fingerprint(model, tokenizer))
-    with pytest.raises(ModelError, match="layer 0 is a LinearAttentionAndFullAttentionLayer"):
+    with pytest.raises(ModelError, match="has a LinearAttentionAndFullAttentionLayer cache layer \\(layer 0\\)"):
         prefill(lm, decode(sample_text()[:400].encode(), "d.txt"), tmp_path / "x.kv", chunk_size=64)
     assert list(tmp_path.iterdir()) == []
 

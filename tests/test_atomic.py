@@ -1,9 +1,10 @@
 """Replacing a cache is atomic: a kill (SIGKILL), Ctrl-C, full disk or unwritable path at any moment
 leaves the old cache or the new one, complete; temporary folders are never read and get cleaned up.
 
-Exact kill points come from the writer's test hook (KVCLI_TEST_STOP_AT, see kvcli/writing.py): the
-prefill stops itself there (SIGSTOP) and this test kills it. Prefills run as real `python -m kvcli`
-processes, all at once to keep the wall time down. KVCLI_TEST_SLOW=1 adds a kill after a seeded delay.
+Exact kill points: each prefill runs as a real process whose entry code (STOPPER below) wraps
+kvcli/format/writing.py's functions so the writer stops itself (SIGSTOP) at one point, and this test
+kills it there; production code has no test hook. Prefills run all at once to keep the wall time
+down. KVCLI_TEST_SLOW=1 adds a kill after a seeded delay.
 """
 
 from __future__ import annotations
@@ -69,8 +70,49 @@ def temp_siblings(target: Path) -> list[Path]:
     return sorted(p for p in target.parent.iterdir() if p.name.startswith(f".{target.name}{store.TMP_MARK}"))
 
 
-def prefill_cmd(w, target: Path) -> list[str]:
-    return [sys.executable, "-m", "kvcli", "prefill", str(w["doc_b"]), "-o", str(target), "--model", str(w["model"]), "--force", "-q"]
+# Runs `kvcli ARGS...` after wrapping the writer's steps so that it stops itself (SIGSTOP) at POINT:
+# "tmp-created", "wrote:<file name>", "before-install", "installed" (new cache in place, old one not yet removed).
+STOPPER = """
+import os, signal, sys
+from kvcli.format import writing
+
+point = sys.argv[1]
+real = {name: getattr(writing, name) for name in ("_lock", "write_file", "_install", "_installed")}
+
+def stop(name):
+    if name == point:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+def _lock(directory, *, block):
+    fd = real["_lock"](directory, block=block)
+    if block:  # the writer's own temporary folder, just created and locked
+        stop("tmp-created")
+    return fd
+
+def write_file(directory, name, data):
+    real["write_file"](directory, name, data)
+    stop("wrote:" + name)
+
+def _install(tmp, target, *, force):
+    stop("before-install")
+    return real["_install"](tmp, target, force=force)
+
+def _installed(target):
+    real["_installed"](target)
+    stop("installed")
+
+writing._lock, writing.write_file, writing._install, writing._installed = _lock, write_file, _install, _installed
+sys.argv = ["kvcli", *sys.argv[2:]]
+from kvcli.cli import main
+main()
+"""
+
+
+def prefill_cmd(w, target: Path, stop_at: str | None = None) -> list[str]:
+    args = ["prefill", str(w["doc_b"]), "-o", str(target), "--model", str(w["model"]), "--force", "-q"]
+    if stop_at:
+        return [sys.executable, "-c", STOPPER, stop_at, *args]
+    return [sys.executable, "-m", "kvcli", *args]
 
 
 def env_with(**extra) -> dict:
@@ -125,9 +167,10 @@ def outcomes(world, tmp_path_factory):
         shutil.copytree(w["old"], targets[sc])
     for sc in scenarios:
         kind, point = sc
-        env = env_with(KVCLI_TEST_STOP_AT=point) if point and point != "delay" else env_with()
+        stop_at = point if point and point != "delay" else None
         limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))) if kind == "file-size-limit" else None
-        procs[sc] = subprocess.Popen(prefill_cmd(w, targets[sc]), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limit)
+        procs[sc] = subprocess.Popen(prefill_cmd(w, targets[sc], stop_at), env=env_with(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, preexec_fn=limit)
     started = time.monotonic()
     hooked = {sc: p for sc, p in procs.items() if sc[1] and sc[1] != "delay"}
     delay = random.Random(SEED).uniform(3.0, 12.0)  # wherever the unhooked prefill happens to be by then

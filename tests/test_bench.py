@@ -26,16 +26,20 @@ def test_bench_run_smoke(tiny_lm, tmp_path):
         check = r["check"]  # whole answers against a full recompute: float32 on CPU is exact here
         assert check["answers"] == check["identical"] == 2 and check["first_divergence"] == [None, None]
         assert 0 < check["tokens"] <= 12 and 0 <= check["max_logit_diff"] < 1e-3 and check["divergent_margins"] == []
+        assert r["decode_tokens"] > 0 and r["decode_tok_s"] > 0 and r["decode_s"] > 0
         assert 0 < r["bytes_shards"] < r["bytes_on_disk"] and r["bytes_raw"] > 0 and r["naive_bytes"] > 0
         for value in r["ratios"].values():
             assert isinstance(value, float) and not math.isnan(value)
     assert list(tmp_path.iterdir()) == []  # caches and naive files cleaned up
+    from kvcli.engine import attention
+
+    assert tiny_lm.model.config._attn_implementation == attention.NAME  # baselines ran sdpa, then switched back
     from rich.console import Console
 
     console = Console(record=True, width=200)
     console.print(bench.render(result))
     text = console.export_text()
-    assert "speedup" in text and "naive restore" in text and "48" in text and "answers = recompute" in text
+    assert "speedup" in text and "naive restore" in text and "48" in text and "answers = recompute" in text and "tok/s" in text
 
 
 def test_default_sizes_stop_at_the_model_limit(tiny_lm):

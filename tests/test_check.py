@@ -80,7 +80,9 @@ def test_check_finds_where_a_perturbed_cache_diverges(tiny_lm, api_cache):
     import torch
 
     session = kvcli.Session(tiny_lm, api_cache)
-    session.states = _perturbed(session.states)
+    from kvcli.engine.kvcache import KVCache
+
+    session.cache = KVCache.from_states(_perturbed(session.states))
     a = session.ask(QUESTIONS[0], OPTS, check=True)
     c = a.check
     assert not c.identical and c.divergences and c.first_divergence == c.divergences[0].position

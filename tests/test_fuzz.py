@@ -985,8 +985,8 @@ def test_ask_refuses_a_cache_longer_than_the_model_before_loading_it(pristine, t
     make_long_cache(pristine, long, tokens=20_000, max_positions=1 << 20)  # the tiny model takes 8192 positions
     lm = kvcli.load(str(tiny_model_dir))
     loaded = []
-    real = restore.load_states
-    monkeypatch.setattr(restore, "load_states", lambda *a, **k: loaded.append(1) or real(*a, **k))
+    real = restore.load_cache
+    monkeypatch.setattr(restore, "load_cache", lambda *a, **k: loaded.append(1) or real(*a, **k))
     with pytest.raises(CacheError):
         kvcli.Session(lm, long)
     assert not loaded, "the cache was decoded before being refused"

@@ -157,15 +157,42 @@ def test_round_trip_and_no_second_download(s3, bucket, docs, tiny_model_dir, tmp
     assert again.exit_code == 1 and "already exists (use --force" in again.stderr
 
 
+# Runs `kvcli ARGS...` with the object store's put_file wrapped so the process stops itself (SIGSTOP) right
+# after uploading the file named by the first argument: production code has no test hook.
+STOP_AFTER_UPLOAD = """
+import os, signal, sys
+from kvcli.remote import objects
+
+point, real = sys.argv[1], objects.filesystem
+
+def filesystem(url):
+    fs, root = real(url)
+    put = fs.put_file
+
+    def put_file(lpath, rpath, *args, **kwargs):
+        put(lpath, rpath, *args, **kwargs)
+        if os.path.basename(str(rpath)) == point:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    fs.put_file = put_file
+    return fs, root
+
+objects.filesystem = filesystem
+sys.argv = ["kvcli", *sys.argv[2:]]
+from kvcli.cli import main
+main()
+"""
+
+
 def test_killed_upload_leaves_no_readable_cache(s3, bucket, docs, tiny_model_dir, store_home):
     """Two uploads killed after their shards, before their manifests (run at once to save time): a first
     upload, and a replacement of a complete cache. Neither leaves a cache a reader can open."""
     fresh, replaced = f"s3://{bucket}/k/fresh.kv", f"s3://{bucket}/k/replaced.kv"
     assert run("prefill", docs[0], "-o", replaced, "--model", tiny_model_dir).exit_code == 0
     good = answer_ids(replaced)
-    env = dict(os.environ, KVCLI_TEST_STOP_AT="uploaded:layer_001.safetensors.zst")
-    procs = [subprocess.Popen([sys.executable, "-m", "kvcli", "prefill", str(docs[i]), "-o", url, "--model", str(tiny_model_dir), "-q", *flags],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    procs = [subprocess.Popen([sys.executable, "-c", STOP_AFTER_UPLOAD, "layer_001.safetensors.zst", "prefill", str(docs[i]), "-o", url,
+                               "--model", str(tiny_model_dir), "-q", *flags],
+                              env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for i, url, flags in ((1, fresh, []), (1, replaced, ["--force"]))]
     try:
         for proc in procs:

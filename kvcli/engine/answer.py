@@ -1,19 +1,23 @@
 """Questions -> answers from a loaded cache: append only the question's ids, generate, stream.
 
-Each question starts from the document's own cache state (the saved layer tensors are put back
-into a fresh cache object; generation never writes into them), never from the previous question's.
+Each question starts from the document's own cache state, never from the previous question's: the
+Session's cache (engine/kvcache.py) is rewound to the document's length after every question, and
+a question asked while another one holds it gets a private copy (pooled), so threads never share
+writable memory.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from contextlib import contextmanager
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import framing as fr, restore
+from . import fit, framing as fr, restore
 
 from ..format import store
 from ..errors import GenerationError
@@ -21,6 +25,7 @@ from .check import Check
 from .models import LoadedModel
 
 DEFAULT_MAX_NEW_TOKENS = 256
+SPARE_CACHES = 2  # private copies of the document a Session keeps for concurrent questions
 TokenFn = Callable[[str], None]  # receives answer text as it becomes final
 
 
@@ -110,7 +115,7 @@ class _Stream:
 
 
 class Session:
-    """One cache opened against one loaded model, ready for any number of questions."""
+    """One cache opened against one loaded model, ready for any number of questions, from any thread."""
 
     def __init__(self, lm: LoadedModel, path: str | os.PathLike, *, convert_dtype: bool = False):
         t0 = time.perf_counter()
@@ -118,16 +123,24 @@ class Session:
         self.path = Path(path)
         with store.open_cache(self.path) as opened:
             self.manifest = opened.manifest
-            restore.check_fits(self.manifest, lm, str(self.path), convert_dtype=convert_dtype)
-            self.states = restore.load_states(opened, device=lm.device, dtype=lm.dtype)
+            fit.check_fits(self.manifest, lm, str(self.path), convert_dtype=convert_dtype)
+            self.cache = restore.load_cache(opened, device=lm.device, dtype=lm.dtype)  # the document: owned, never written
         self.framing = fr.Framing.from_record(self.manifest.framing)
         self.warnings = _version_warnings(self.manifest, self.path) + _provenance_warnings(self.manifest, lm, self.path)
         self.load_s = time.perf_counter() - t0
         self._unreported_load = self.load_s
+        self._busy = threading.Lock()  # held by the question using self.cache
+        self._spares_lock = threading.Lock()
+        self._spares: list = []
 
     @property
     def token_ids(self) -> list[int]:
         return self.manifest.token_ids
+
+    @property
+    def states(self):
+        """The document's state of every layer (read-only views of the Session's buffers)."""
+        return self.cache.states()
 
     def prompt_ids(self, question: str) -> list[int]:
         return self.token_ids + fr.question_ids(self.lm.tokenizer, self.framing, question, self.token_ids)
@@ -137,17 +150,40 @@ class Session:
         limit = self.lm.max_positions
         return None if not limit else limit - len(self.prompt_ids(question))
 
+    @contextmanager
+    def _checkout(self):
+        """A cache at the document's length for one question: the Session's own when free, else a private copy."""
+        if self._busy.acquire(blocking=False):
+            try:
+                yield self.cache
+            finally:
+                self.cache.rewind()
+                self._busy.release()
+            return
+        with self._spares_lock:
+            spare = self._spares.pop() if self._spares else None
+        if spare is None:
+            spare = self.cache.copy()  # reads only the document's tokens, which nobody writes
+        try:
+            yield spare
+        finally:
+            spare.rewind()
+            with self._spares_lock:
+                if len(self._spares) < SPARE_CACHES:
+                    self._spares.append(spare)
+
     def ask(self, question: str, options: GenerationOptions | None = None, on_text: TokenFn | None = None,
             *, check: bool = False) -> Answer:
-        """Answer one question; on_text receives the answer's text as it is generated.
+        """Answer one question; on_text receives the answer's text as it is generated. Safe from several threads.
 
         check=True also runs the prompt and answer through the model once without any cache and fills
         Answer.check (see engine/check.py): it costs a full recompute of the document."""
         import torch
 
         opts = options or GenerationOptions()
-        start = time.perf_counter() - self._unreported_load  # the first question pays for the load
-        self._unreported_load = 0.0
+        with self._spares_lock:
+            start = time.perf_counter() - self._unreported_load  # the first question pays for the load
+            self._unreported_load = 0.0
         cached = len(self.token_ids)
         prompt = self.prompt_ids(question)
         limit = self.lm.max_positions
@@ -156,40 +192,21 @@ class Session:
             if len(prompt) >= limit:
                 raise GenerationError(f"question too long: the prompt needs {len(prompt)} of the model's {limit} positions")
             max_new = min(max_new, limit - len(prompt))
-        model, tok = self.lm.model, self.lm.tokenizer
-        stream = _Stream(tok, opts.stop, on_text)
-        counted = [0]
-
-        def count(_module, args, kwargs):
-            ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else (args[0] if args else None)
-            if ids is not None:
-                counted[0] += ids.shape[-1]
-
-        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "do_sample": opts.temperature > 0}
-        if opts.temperature > 0:
-            kwargs.update(temperature=opts.temperature, top_p=opts.top_p, top_k=0)
-            if opts.seed is not None:
-                torch.manual_seed(opts.seed)
-        kwargs.update(repetition_penalty=opts.repetition_penalty, no_repeat_ngram_size=opts.no_repeat_ngram_size)
-        if opts.stop:
-            kwargs.update(stop_strings=list(opts.stop), tokenizer=tok)
+        model = self.lm.model
+        stream = _Stream(self.lm.tokenizer, opts.stop, on_text)
+        kwargs = generate_kwargs(self.lm, opts, max_new)
         if check:  # the raw logits of every answer step, before any processor: what --check compares
             kwargs.update(output_logits=True, return_dict_in_generate=True)
-        if model.generation_config.pad_token_id is None and tok.pad_token_id is None:
-            kwargs["pad_token_id"] = tok.eos_token_id
         input_ids = torch.tensor([prompt], device=self.lm.device)  # [1, cached + appended]
-        hook = model.register_forward_pre_hook(count, with_kwargs=True)
-        try:
-            with torch.inference_mode(), restore.fast_attention(self.lm):
-                out = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    cache=restore.new_cache(self.lm, self.states),
-                    streamer=stream,
-                    **kwargs,
-                )
-        finally:
-            hook.remove()
+        with torch.inference_mode(), self._checkout() as cache:
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                cache=cache,
+                streamer=stream,
+                **kwargs,
+            )
+            processed = cache.processed  # tokens this call's forward passes ran (its own cache counted them)
         logits = None
         if check:
             logits = torch.cat(out.logits, dim=0) if out.logits else None  # [answer, vocab]
@@ -212,13 +229,32 @@ class Session:
             answer_token_ids=answer_ids,
             cached_tokens=cached,
             new_tokens=len(prompt) - cached,
-            processed_tokens=counted[0],
+            processed_tokens=processed,
             ttft_s=(stream.first_token_at - start) if stream.first_token_at else None,
             total_s=total_s,
             finish_reason="stop" if done_by_stop or len(answer_ids) < max_new else "length",
             cache=str(self.path),
             check=checked,
         )
+
+
+def generate_kwargs(lm: LoadedModel, opts: GenerationOptions, max_new: int) -> dict[str, Any]:
+    """generate()'s options for one question. Sampling is done by a per-call processor (greedy generate()
+    then keeps its pick), so a seed never touches torch's global generator."""
+    from transformers import LogitsProcessorList
+
+    from .sampling import Sampler
+
+    tok = lm.tokenizer
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new, "do_sample": False}
+    kwargs.update(repetition_penalty=opts.repetition_penalty, no_repeat_ngram_size=opts.no_repeat_ngram_size)
+    if opts.temperature > 0:
+        kwargs["logits_processor"] = LogitsProcessorList([Sampler(opts.temperature, opts.top_p, opts.seed, lm.device)])
+    if opts.stop:
+        kwargs.update(stop_strings=list(opts.stop), tokenizer=tok)
+    if lm.model.generation_config.pad_token_id is None and tok.pad_token_id is None:
+        kwargs["pad_token_id"] = tok.eos_token_id
+    return kwargs
 
 
 def _version_warnings(manifest, path: Path) -> list[str]:

@@ -24,7 +24,7 @@ from ..format import manifest as mf, store
 from . import framing as fr, prefilling as pf
 from .models import LoadedModel
 
-# Fingerprint fields that decide whether a cache still fits the model (those restore.check_fits reads).
+# Fingerprint fields that decide whether a cache still fits the model (those fit.check_fits reads).
 FINGERPRINT_KEYS = ("model_type", "config_sha256", "weights_sha256", "tokenizer_sha256", "chat_template_sha256",
                     "dtype", "num_layers", "num_kv_heads", "head_dim", "max_positions")
 FRAMING_KEYS = ("kind", "system", "version", "template_sha256")

@@ -3,6 +3,7 @@
 Two kinds are supported: "full" (transformers' DynamicLayer: every token's keys/values) and
 "sliding" (DynamicSlidingWindowLayer: the last window-1 tokens plus the counted length, which must be
 restored too or generate() silently recomputes the document). Anything else is refused up front.
+kvcli's own cache (kvcache.py) subclasses these two layer types.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def _kind(layer: Any, index: int) -> str:
 
 
 def read(cache: Any) -> list[LayerState]:
-    """The state of every layer of a filled DynamicCache; ModelError for a layer holding anything else."""
+    """The state of every layer of a filled cache (DynamicCache or KVCache); ModelError for a layer holding anything else."""
     states = []
     for i, layer in enumerate(cache.layers):
         sliding = _kind(layer, i) == "sliding"
@@ -101,25 +102,3 @@ def read(cache: Any) -> list[LayerState]:
             )
         )
     return states
-
-
-def fill(cache: Any, states: list[LayerState]) -> None:
-    """Put saved states into a fresh DynamicCache(config=...) built for the same model.
-
-    DynamicLayer.update never writes into the tensors it holds (it concatenates into new ones), so
-    the same tensors can be put back before each question: resetting costs nothing and no copy.
-    """
-    if len(cache.layers) != len(states):
-        raise ModelError(f"the model has {len(cache.layers)} cache layers, the cache {len(states)}")
-    for i, (layer, state) in enumerate(zip(cache.layers, states)):
-        kind = _kind(layer, i)
-        window = layer.sliding_window if kind == "sliding" else None
-        if kind != state.kind or (window is not None and int(window) != state.sliding_window):
-            raise ModelError(f"layer {i}: model has a {kind} layer (window {window}), cache holds {state.kind} (window {state.sliding_window})")
-        layer.device = state.keys.device
-        layer.keys = state.keys
-        layer.values = state.values
-        layer.is_initialized = True
-        if kind == "sliding":
-            layer.cumulative_length = state.seq_length  # counted length, not keys.shape[-2]
-            layer._sliding_window_tensor = layer._sliding_window_tensor.to(layer.device)

@@ -184,7 +184,9 @@ def pick_device(device: str) -> str:
 def pick_dtype(dtype: str, device: str, config: Any):
     import torch
 
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    from ..format.dtypes import DTYPES
+
+    names = {name: getattr(torch, name) for name in DTYPES}
     if dtype != "auto":
         if dtype not in names:
             raise ModelError(f"--dtype {dtype}: choose auto, float32, bfloat16 or float16")
@@ -243,6 +245,7 @@ class _quiet_transformers:
         self._gguf_tqdm = gguf_utils.tqdm
         gguf_utils.tqdm = lambda iterable, **_: iterable  # the GGUF reader's own bar ignores the switch below
         self._level = hf_logging.get_verbosity()
+        self._bars = hf_logging.is_progress_bar_enabled()  # a user who turned them off keeps them off
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         return self
@@ -251,7 +254,8 @@ class _quiet_transformers:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity(self._level)
-        hf_logging.enable_progress_bar()
+        if self._bars:
+            hf_logging.enable_progress_bar()
         import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
         gguf_utils.tqdm = self._gguf_tqdm
@@ -322,8 +326,10 @@ def load(
     progress: Progress | None = None,
     source: dict[str, Any] | None = None,
 ) -> LoadedModel:
-    """Load model and tokenizer for kvcli; refuse models whose cache kvcli cannot restore exactly."""
-    from . import layers
+    """Load model and tokenizer for kvcli; refuse models whose cache kvcli cannot restore exactly.
+
+    On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/attention.py)."""
+    from . import attention, layers
 
     source = dict(source) if source is not None else resolve(model, revision=revision)
     config = load_config(source, trust_remote_code=trust_remote_code, progress=progress)
@@ -342,17 +348,22 @@ def load(
     except Exception as exc:
         raise _load_error(source, exc) from exc
     lm.to(dev).eval()
+    attention.select(lm)
     if source["kind"] == "hub":
         source["revision"] = getattr(lm.config, "_commit_hash", None) or source.get("revision")
     return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fingerprint(lm, tok))
 
 
 def from_objects(model: Any, tokenizer: Any, *, name: str = "in-memory") -> LoadedModel:
-    """Wrap an already loaded transformers model and tokenizer (tests, notebooks)."""
-    from . import layers
+    """Wrap an already loaded transformers model and tokenizer (tests, notebooks).
+
+    On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/attention.py):
+    same tokens, no key/value heads repeated; `model.set_attn_implementation("sdpa")` switches it back."""
+    from . import attention, layers
 
     layers.plan(model.config)
     model.eval()
+    attention.select(model)
     return LoadedModel(model=model, tokenizer=tokenizer, source={"kind": "object", "name": name}, fingerprint=fingerprint(model, tokenizer))
 
 

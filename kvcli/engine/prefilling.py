@@ -53,23 +53,22 @@ def document_split(lm: LoadedModel, document: Document, framing: fr.Framing) -> 
 
 
 def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: ProgressFn | None = None):
-    """Forward the ids through the model chunk by chunk into a DynamicCache built from its config.
+    """Forward the ids through the model chunk by chunk into a KVCache with room for the whole document.
 
     Full-attention layers get buffers for the whole document up front and each chunk's keys/values are
-    written in place (no concatenation copying the growing cache at every chunk), and CPU attention
-    reads grouped key/value heads directly (no copy repeated per query head): the chunked prefill then
+    written in place (no concatenation copying the growing cache at every chunk); with kvcli's attention
+    (engine/attention.py) CPU attention reads grouped key/value heads directly. The chunked prefill then
     costs about what one forward pass over the whole document does, with far less memory.
     """
     import torch
-    from transformers import DynamicCache
 
-    from .restore import fast_attention, roomy
+    from .kvcache import KVCache
 
     total = len(ids)
-    cache = roomy(DynamicCache(config=lm.model.config), reserve=total)
+    cache = KVCache.for_model(lm.model.config, reserve=total)
     if progress:
         progress(0, total)  # the total is known before the first chunk: a bar shows 0/N, never 0/?
-    with torch.inference_mode(), fast_attention(lm):
+    with torch.inference_mode():
         for start in range(0, total, chunk_size):
             chunk = torch.tensor([ids[start : start + chunk_size]], device=lm.device)  # [1, chunk]
             lm.model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
@@ -131,7 +130,7 @@ def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: i
         state = states[i]
         keys, values = state.keys.detach().to("cpu"), state.values.detach().to("cpu")
         enc = encode_layer(keys, values, transform=transform, level=level)
-        name = f"layer_{i:03d}.safetensors.zst"
+        name = mf.shard_name(i)
         writing.write_file(directory, name, enc.data)
         return mf.LayerEntry(
             index=i,
@@ -160,10 +159,12 @@ def provenance(lm: LoadedModel) -> dict[str, str]:
     """What computes the keys/values here: torch build, device type, attention implementation."""
     import torch
 
+    from . import attention
+
     return {
         "torch_version": torch.__version__,
         "device_type": lm.device.type,
-        "attn_implementation": str(getattr(lm.model.config, "_attn_implementation", None) or "unknown"),
+        "attn_implementation": attention.kernel_name(getattr(lm.model.config, "_attn_implementation", None)),
     }
 
 

@@ -13,17 +13,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import CacheCorruptError, CacheVersionError
+from .dtypes import ITEM_SIZES
 
 FORMAT_NAME = "kvcli-cache"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # token ids of a 1M-token document fit with room to spare
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_SIZES = ITEM_SIZES  # bytes per element of each storable dtype (format/dtypes.py)
 LAYER_KINDS = ("full", "sliding")
 _SHARD_NAME = re.compile(r"^layer_[0-9]{3,6}\.safetensors\.zst$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 MAX_DIM = 1 << 24
-# Generous ceilings far above any real model; the model-dependent checks (restore.check_fits) are stricter.
+# Generous ceilings far above any real model; the model-dependent checks (engine/fit.check_fits) are stricter.
 MAX_LAYERS = 4096
 MAX_KV_HEADS = 4096
 MAX_HEAD_DIM = 8192

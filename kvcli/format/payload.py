@@ -1,7 +1,8 @@
 """The layout of a shard's payload, checked without torch: shared by restore (codec) and verify (store).
 
 A shard is one zstd frame of a safetensors file holding "keys" and "values". These rules decide
-whether its frame and header are exactly what the manifest describes.
+whether its frame and header are exactly what the manifest describes, and PayloadReader streams a
+payload under them: restore decompresses the tensors' bytes into their destinations, verify counts them.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import zstandard
 
 from ..errors import CacheCorruptError
 
-ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-ITEM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from .dtypes import ITEM_SIZES, SAFETENSORS as ST_DTYPES
 MAX_HEADER = 64 * 1024  # a shard's safetensors header is a few hundred bytes; anything bigger is hostile
 
 
@@ -78,3 +78,71 @@ def check_header(raw: bytes, *, where: str, transform: str, dtype: str, key_shap
     if 8 + len(raw) + end_prev != decoded_bytes:
         raise bad("trailing bytes after the tensors" if 8 + len(raw) + end_prev < decoded_bytes
                   else f"tensors run past the {decoded_bytes} bytes the manifest gives")
+
+
+_CHUNK = 1 << 20  # bytes per read when draining a payload
+
+
+class PayloadReader:
+    """One shard's payload, streamed: the frame's declared size and the safetensors header are checked on
+    entry, then exactly the tensors' bytes are handed out; more or fewer is corruption, reported in one line.
+
+        with PayloadReader(data, where=..., transform=..., dtype=..., key_shape=..., value_shape=...,
+                           decoded_bytes=...) as src:
+            src.readinto(buffer)  # or src.drain()
+            src.finish()
+    """
+
+    def __init__(self, data: bytes | memoryview, *, where: str, transform: str, dtype: str, key_shape, value_shape,
+                 decoded_bytes: int):
+        self.data, self.where, self.size, self.got = data, where, decoded_bytes, 0
+        self.rules = dict(transform=transform, dtype=dtype, key_shape=tuple(key_shape), value_shape=tuple(value_shape))
+        self._reader = None
+
+    def __enter__(self) -> "PayloadReader":
+        check_declared_size(self.data, self.size, self.where)  # before decompressing anything
+        try:
+            self._reader = zstandard.ZstdDecompressor().stream_reader(self.data, read_across_frames=False)
+            if self.size < 8:
+                raise CacheCorruptError(f"{self.where}: payload too short for a safetensors header")
+            first = bytearray(8)
+            self.readinto(first)
+            raw = bytearray(header_length(bytes(first), self.size, self.where))
+            self.readinto(raw)
+            check_header(bytes(raw), where=self.where, decoded_bytes=self.size, **self.rules)
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, None)
+            raise
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        if isinstance(exc, zstandard.ZstdError):
+            raise CacheCorruptError(f"{self.where}: not a valid zstandard stream ({exc})") from None
+
+    def readinto(self, buf) -> None:
+        """Fill `buf` (any writable buffer) with the next bytes of the payload."""
+        view = memoryview(buf).cast("B")
+        if self.got + len(view) > self.size:
+            raise CacheCorruptError(f"{self.where}: safetensors payload runs past the {self.size} bytes the manifest gives")
+        done = 0
+        while done < len(view):
+            n = self._reader.readinto(view[done:])
+            if n == 0:
+                raise CacheCorruptError(f"{self.where}: decompresses to {self.got + done} bytes, manifest says {self.size}")
+            done += n
+        self.got += done
+
+    def drain(self) -> None:
+        """Read the rest of the payload in bounded chunks, keeping nothing (verify)."""
+        scratch = bytearray(min(_CHUNK, max(self.size - self.got, 1)))
+        while self.got < self.size:
+            n = min(len(scratch), self.size - self.got)
+            self.readinto(memoryview(scratch)[:n])
+
+    def finish(self) -> None:
+        """Exactly the declared size was read, and nothing follows it."""
+        if self.got != self.size or self._reader.read(1):
+            raise CacheCorruptError(f"{self.where}: decompresses to more bytes, manifest says {self.size}")

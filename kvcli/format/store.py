@@ -187,54 +187,18 @@ def verify(path: str | os.PathLike, *, decode: bool = True) -> mf.Manifest:
         return m
 
 
-_CHUNK = 1 << 20
-
-
 def check_payload(data: bytes, *, where: str, transform: str, dtype: str, key_shape: tuple[int, ...],
                   value_shape: tuple[int, ...], decoded_bytes: int) -> None:
     """Decompress one shard in bounded chunks and check it holds exactly what the manifest describes.
 
-    The same rules as codec.decode_layer (which the fuzz tests hold both to): a zstd frame that
-    declares no other size, a safetensors header naming keys and values with the expected dtype,
-    shape and adjacent offsets, and exactly decoded_bytes in all. Nothing larger than a chunk is held.
+    The same streaming reader as codec.decode_layer (payload.PayloadReader): a zstd frame that declares
+    no other size, a safetensors header naming keys and values with the expected dtype, shape and
+    adjacent offsets, and exactly decoded_bytes in all. Nothing larger than a chunk is held.
     """
-    import zstandard
-
-    def bad(what: str) -> CacheCorruptError:
-        return CacheCorruptError(f"{where}: {what}")
-
-    payload.check_declared_size(data, decoded_bytes, where)
-    try:
-        with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as reader:
-
-            def take(n: int) -> bytes:
-                parts, got = [], 0
-                while got < n:
-                    part = reader.read(min(n - got, _CHUNK))
-                    if not part:
-                        break
-                    parts.append(part)
-                    got += len(part)
-                return b"".join(parts)
-
-            n = payload.header_length(take(8), decoded_bytes, where)
-            raw = take(n)
-            if len(raw) < n:
-                raise bad(f"decompresses to {8 + len(raw)} bytes, manifest says {decoded_bytes}")
-            payload.check_header(raw, where=where, transform=transform, dtype=dtype, key_shape=key_shape,
-                                 value_shape=value_shape, decoded_bytes=decoded_bytes)
-            got = 8 + n
-            while True:  # the tensors: counted, not kept
-                part = reader.read(min(_CHUNK, decoded_bytes + 1 - got))
-                if not part:
-                    break
-                got += len(part)
-                if got > decoded_bytes:
-                    raise bad(f"decompresses to more bytes, manifest says {decoded_bytes}")
-            if got != decoded_bytes:
-                raise bad(f"decompresses to {got} bytes, manifest says {decoded_bytes}")
-    except zstandard.ZstdError as exc:
-        raise bad(f"not a valid zstandard stream ({exc})") from None
+    with payload.PayloadReader(data, where=where, transform=transform, dtype=dtype, key_shape=key_shape,
+                               value_shape=value_shape, decoded_bytes=decoded_bytes) as src:
+        src.drain()
+        src.finish()
 
 
 def is_cache(path: Path) -> bool:

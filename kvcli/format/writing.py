@@ -3,10 +3,6 @@
 A cache is written into a hidden temporary sibling (".NAME.kvtmp-PID-..."), every file fsynced, and
 swapped into place in one step (renameat2 RENAME_EXCHANGE when replacing), so a crash, kill or full
 disk leaves the previous cache intact; leftovers of dead writers are removed by the next write.
-
-Test hook: with KVCLI_TEST_STOP_AT=<point> in the environment, a writer stops itself (SIGSTOP) at
-that point so a test can kill it there: "tmp-created", "wrote:<file name>", "before-install",
-"installed" (new cache in place, old one not yet removed). Nothing else reads that variable.
 """
 
 from __future__ import annotations
@@ -16,7 +12,6 @@ import errno
 import fcntl
 import os
 import shutil
-import signal
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,12 +19,6 @@ from pathlib import Path
 
 from ..errors import CacheExistsError, KvcliError
 from .store import TMP_MARK, is_cache
-
-def _test_point(name: str) -> None:
-    """Test hook (see the module docstring): stop here when KVCLI_TEST_STOP_AT names this point."""
-    if os.environ.get("KVCLI_TEST_STOP_AT") == name:
-        os.kill(os.getpid(), signal.SIGSTOP)
-
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -44,7 +33,6 @@ def write_file(directory: Path, name: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    _test_point(f"wrote:{name}")
 
 
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
@@ -170,10 +158,8 @@ def atomic_cache_dir(target: str | os.PathLike, *, force: bool) -> Iterator[Path
         raise KvcliError(f"{parent}: cannot write here ({exc.strerror})") from None
     lock = _lock(tmp, block=True)  # tells clean_stale in other processes that this folder is in use
     try:
-        _test_point("tmp-created")
         yield tmp
         _fsync_dir(tmp)
-        _test_point("before-install")
         _install(tmp, target, force=force)
     except OSError as exc:
         raise KvcliError(f"{target}: write failed ({exc.strerror or exc}); nothing was changed") from None
@@ -214,4 +200,3 @@ def _installed(target: Path) -> None:
         _fsync_dir(target.parent)
     except OSError:
         pass
-    _test_point("installed")

@@ -20,7 +20,6 @@ from . import READ_ONLY_SCHEMES, scheme
 from ..documents import MAX_DOCUMENT_BYTES, Document, decode
 from ..errors import CacheExistsError, CacheMissingError, DocumentError, KvcliError, UsageError
 from ..format import manifest as mf
-from ..format.writing import _test_point
 
 INSTALL_HINT = "object stores need the optional extra: pip install 'kvcli[remote]'"
 _USERINFO = re.compile(r"(://)[^/@\s]+@")
@@ -137,9 +136,7 @@ def upload(local: Path, url: str, *, force: bool) -> None:
         fs.makedirs(root, exist_ok=True)  # a real folder for file://; nothing (or the bucket) for object stores
         for entry in m.layers:
             fs.put_file(str(local / entry.file), join(root, entry.file))
-            _test_point(f"uploaded:{entry.file}")
         fs.put_file(str(local / mf.MANIFEST_NAME), manifest)  # last: from here on the cache exists
-    _test_point("uploaded:manifest.json")
 
 
 def verify(url: str) -> mf.Manifest:

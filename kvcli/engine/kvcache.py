@@ -1,0 +1,237 @@
+"""kvcli's cache object: a transformers Cache built from kvcli's own layer classes, with room to grow.
+
+Full-attention layers follow mlx-lm's KVCache: keys/values live in a preallocated buffer
+[batch, kv_heads, capacity, head_dim] plus an offset; `update` writes the new tokens at
+[offset:offset+n] (a bigger buffer is allocated, and the used part copied, only when full) and
+returns views [:offset+n]. Sliding-window layers are transformers' own (last window-1 tokens plus
+the counted length). A restored document is a cache whose `mark` is the document's length:
+`rewind()` brings it back there after a question without copying, and the document's tokens
+[:mark] are never written (new tokens land after them; growth copies them into a new buffer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+from . import layers as ly
+from ..errors import ModelError
+
+GROW_STEP = 256  # tokens: buffers grow in multiples of this (room for a question and its answer)
+
+
+class FullLayer(DynamicLayer):
+    """Full attention: a preallocated buffer plus an offset, appended in place (mlx-lm's KVCache idiom)."""
+
+    def __init__(self, reserve: int = 0, step: int = GROW_STEP, **kwargs):
+        super().__init__()
+        self.reserve, self.step = reserve, step  # reserve: tokens allocated at the first update (a prefill of known length)
+        self.offset = 0  # tokens in use
+        self.mark = 0  # the document's length: rewind() goes back here
+        self._k: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
+        self._v: torch.Tensor | None = None
+
+    # ---- buffers
+    def allocate(self, key_shape, value_shape, dtype, device, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocate buffers for `key_shape[-2]` document tokens plus `room`; return the document's views to fill."""
+        n = key_shape[-2]
+        self._k = torch.empty((*key_shape[:2], n + room, key_shape[3]), dtype=dtype, device=device)
+        self._v = torch.empty((*value_shape[:2], n + room, value_shape[3]), dtype=dtype, device=device)
+        self.device, self.is_initialized = self._k.device, True
+        self.offset = self.mark = n
+        self._views()
+        return self.keys, self.values
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[:, :, : self.offset], self._v[:, :, : self.offset]  # [b, h, offset, d]
+
+    def _grow(self, need: int) -> None:
+        """Move to a buffer for at least `need` tokens, copying the used part (the only copy ever made)."""
+        cap = self._k.shape[2]
+        new = max(need, cap + max(self.step, cap // 4))
+        new = -(-new // self.step) * self.step
+        bufs = []
+        for old in (self._k, self._v):
+            buf = torch.empty((*old.shape[:2], new, old.shape[3]), dtype=old.dtype, device=old.device)
+            buf[:, :, : self.offset].copy_(old[:, :, : self.offset])
+            bufs.append(buf)
+        self._k, self._v = bufs  # assigned once filled: a reader of the document's views sees old or new, both whole
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, q, d = key_states.shape
+        cap = max(self.reserve, q)
+        self._k = torch.empty((b, h, cap, d), dtype=key_states.dtype, device=key_states.device)
+        self._v = torch.empty((*value_states.shape[:2], cap, value_states.shape[3]), dtype=value_states.dtype, device=value_states.device)
+        self.device, self.is_initialized, self.offset = key_states.device, True, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write [b, h, q, d] new keys/values after the used part; return views of everything so far."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        if self.offset + q > self._k.shape[2]:
+            self._grow(self.offset + q)
+        self._k[:, :, self.offset : self.offset + q].copy_(key_states)
+        self._v[:, :, self.offset : self.offset + q].copy_(value_states)
+        self.offset += q
+        self._views()
+        return self.keys, self.values
+
+    # ---- lengths
+    def get_seq_length(self) -> int:
+        return self.offset
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove tokens (transformers' convention); no copy, the next update overwrites."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        if self.is_initialized and tokens_to_remove:
+            self.offset = max(0, self.offset + tokens_to_remove)
+            self.mark = min(self.mark, self.offset)  # cropped into the document: that is the document now
+            self._views()
+
+    def rewind(self) -> None:
+        if self.is_initialized:
+            self.offset = self.mark
+            self._views()
+
+    def document(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the document's keys/values [b, h, mark, d] (never written while the layer lives)."""
+        k, v = self._k, self._v  # read once: a concurrent growth swaps both attributes
+        return k[:, :, : self.mark], v[:, :, : self.mark]
+
+    @property
+    def document_length(self) -> int:
+        return self.mark
+
+    def reset(self) -> None:
+        self.offset = self.mark = 0  # an emptied cache has no document to go back to
+        if self.is_initialized:
+            self._views()
+
+    # ---- batch operations (beam search and friends): applied to the buffers, views rebuilt
+    def _map(self, fn) -> None:
+        if self.is_initialized:
+            self._k, self._v = fn(self._k), fn(self._v)
+            self._views()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices, ...])
+
+    def offload(self):
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.is_initialized and self._k.device != self.device:
+            self._map(lambda t: t.to(self.device, non_blocking=True))
+
+
+class SlidingLayer(DynamicSlidingWindowLayer):
+    """Sliding window: transformers' layer (it never writes into the tensors it holds), plus the document's
+    state to rewind to: its last window-1 keys/values and its counted length."""
+
+    def __init__(self, sliding_window: int, **kwargs):
+        super().__init__(sliding_window=sliding_window)
+        self._doc: tuple[Any, Any, int] | None = None
+
+    def restore(self, keys: torch.Tensor, values: torch.Tensor, seq_length: int) -> None:
+        """Hold a document's state: keys/values [b, h, min(n, window-1), d] and its counted length n."""
+        self.lazy_initialization(keys, values)  # device, dtype and the window tensor, as transformers sets them
+        self._doc = (keys, values, seq_length)
+        self.rewind()
+
+    def rewind(self) -> None:
+        if self._doc is not None:
+            self.keys, self.values, self.cumulative_length = self._doc  # counted length, not keys.shape[-2]
+            self.is_initialized = True
+
+    def reset(self) -> None:
+        self._doc = None  # an emptied cache has no document to go back to
+        super().reset()
+
+    def document(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The document's last window-1 keys/values [b, h, min(n, window-1), d] (never written)."""
+        return self._doc[0], self._doc[1]
+
+    @property
+    def document_length(self) -> int:
+        return self._doc[2] if self._doc is not None else 0
+
+
+class KVCache(Cache):
+    """kvcli's cache: one FullLayer or SlidingLayer per decoder layer, and the tokens it has processed.
+
+    `processed` counts the tokens that went through layer 0's update since the last rewind: the tokens
+    the model actually ran for this cache (per cache object, so concurrent questions count their own).
+    """
+
+    def __init__(self, layers: list[FullLayer | SlidingLayer]):
+        super().__init__(layers=layers)
+        self.processed = 0
+
+    @classmethod
+    def for_plan(cls, plan: list[tuple[str, int | None]], reserve: int = 0) -> "KVCache":
+        """An empty cache for layers of these (kind, window); full layers allocate `reserve` tokens at first use."""
+        return cls([FullLayer(reserve=reserve) if kind == "full" else SlidingLayer(window) for kind, window in plan])
+
+    @classmethod
+    def for_model(cls, config: Any, reserve: int = 0) -> "KVCache":
+        return cls.for_plan(ly.plan(config), reserve)
+
+    @classmethod
+    def from_states(cls, states: list[ly.LayerState], room: int = GROW_STEP, plan=None) -> "KVCache":
+        """A cache holding a copy of these states (documents' own buffers: nothing is shared with `states`)."""
+        if plan is not None:
+            check_layout(plan, states)
+        cache = cls.for_plan([(s.kind, s.sliding_window) for s in states])
+        for layer, s in zip(cache.layers, states):
+            if isinstance(layer, FullLayer):
+                k, v = layer.allocate(tuple(s.keys.shape), tuple(s.values.shape), s.keys.dtype, s.keys.device, room)
+                k.copy_(s.keys)
+                v.copy_(s.values)
+            else:
+                layer.restore(s.keys.clone(), s.values.clone(), s.seq_length)
+        return cache
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:
+            self.processed += key_states.shape[-2]
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def rewind(self) -> None:
+        """Back to the document's length, without copying; the processed count starts again at 0."""
+        for layer in self.layers:
+            layer.rewind()
+        self.processed = 0
+
+    def states(self) -> list[ly.LayerState]:
+        """The document's state of every layer (views, not copies)."""
+        out = []
+        for layer in self.layers:
+            k, v = layer.document()
+            if isinstance(layer, FullLayer):
+                out.append(ly.LayerState("full", k, v, layer.document_length, None))
+            else:
+                out.append(ly.LayerState("sliding", k, v, layer.document_length, int(layer.sliding_window)))
+        return out
+
+    def copy(self, room: int = GROW_STEP) -> "KVCache":
+        """A private copy of the document with `room` spare tokens (for a concurrent question)."""
+        return KVCache.from_states(self.states(), room=room)
+
+
+def check_layout(plan: list[tuple[str, int | None]], states: list[ly.LayerState]) -> None:
+    """ModelError unless the states have the model's layer count, kinds and windows."""
+    if len(plan) != len(states):
+        raise ModelError(f"the model has {len(plan)} cache layers, the cache {len(states)}")
+    for i, ((kind, window), s) in enumerate(zip(plan, states)):
+        if (kind, window) != (s.kind, s.sliding_window):
+            raise ModelError(f"layer {i}: model has a {kind} layer (window {window}), cache holds {s.kind} (window {s.sliding_window})")
