@@ -66,3 +66,13 @@ class CacheExistsError(KvcliError):
 
 class ServerError(KvcliError):
     """The warm server is absent when required, refused a request, or went away mid-answer."""
+
+
+class ConversationError(UsageError):
+    """A conversation cannot follow the cached document: malformed turns, or another system message.
+
+    `field` names the offending part (e.g. `messages[2].role`) for the HTTP server's 400 answers."""
+
+    def __init__(self, message: str, *, field: str | None = None, hint: str | None = None):
+        super().__init__(message, hint=hint)
+        self.field = field

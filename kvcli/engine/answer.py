@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import fit, framing as fr, restore
+from . import conversation, fit, framing as fr, restore
 
 from ..format import store
 from ..errors import GenerationError
@@ -43,11 +43,16 @@ class Answer:
     finish_reason: str  # "stop" (end of turn or stop string) or "length"
     cache: str = ""
     check: Check | None = None  # with ask(check=True): this answer measured against a full recompute
+    history: list[dict[str, str]] = field(default_factory=list)  # earlier {question, answer} turns, oldest first
 
     def to_json(self) -> dict[str, Any]:
+        """JSON of the answer; `check` appears only when measured, `history` only for a follow-up (so one
+        line can be fed back)."""
         body = asdict(self)
         if self.check is None:
             del body["check"]
+        if not body["history"]:
+            del body["history"]
         return body
 
 
@@ -142,13 +147,13 @@ class Session:
         """The document's state of every layer (read-only views of the Session's buffers)."""
         return self.cache.states()
 
-    def prompt_ids(self, question: str) -> list[int]:
-        return self.token_ids + fr.question_ids(self.lm.tokenizer, self.framing, question, self.token_ids)
+    def prompt_ids(self, question: str, history: Sequence[conversation.Exchange] = ()) -> list[int]:
+        return self.token_ids + conversation.appended_ids(self.lm.tokenizer, self.framing, history, question, self.token_ids)
 
-    def answer_room(self, question: str) -> int | None:
+    def answer_room(self, question: str, history: Sequence[conversation.Exchange] = ()) -> int | None:
         """Positions left for the answer after this question's prompt (None: the model sets no limit)."""
         limit = self.lm.max_positions
-        return None if not limit else limit - len(self.prompt_ids(question))
+        return None if not limit else limit - len(self.prompt_ids(question, history))
 
     @contextmanager
     def _checkout(self):
@@ -173,11 +178,14 @@ class Session:
                     self._spares.append(spare)
 
     def ask(self, question: str, options: GenerationOptions | None = None, on_text: TokenFn | None = None,
-            *, check: bool = False) -> Answer:
-        """Answer one question; on_text receives the answer's text as it is generated. Safe from several threads.
+            *, check: bool = False, history: Sequence[conversation.Exchange] = ()) -> Answer:
+        """Answer one question; on_text receives the answer's text as it is generated (raising there abandons it).
+        Safe from several threads.
 
         check=True also runs the prompt and answer through the model once without any cache and fills
-        Answer.check (see engine/check.py): it costs a full recompute of the document."""
+        Answer.check (see engine/check.py): it costs a full recompute of the document.
+        history: earlier (question, answer) exchanges of this conversation, appended after the document
+        before the question (see conversation.py); the cached document is never recomputed."""
         import torch
 
         opts = options or GenerationOptions()
@@ -185,7 +193,7 @@ class Session:
             start = time.perf_counter() - self._unreported_load  # the first question pays for the load
             self._unreported_load = 0.0
         cached = len(self.token_ids)
-        prompt = self.prompt_ids(question)
+        prompt = self.prompt_ids(question, history)
         limit = self.lm.max_positions
         max_new = opts.max_new_tokens
         if limit:
@@ -235,6 +243,7 @@ class Session:
             finish_reason="stop" if done_by_stop or len(answer_ids) < max_new else "length",
             cache=str(self.path),
             check=checked,
+            history=[{"question": q, "answer": a} for q, a in history],
         )
 
 
