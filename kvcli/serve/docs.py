@@ -1,0 +1,97 @@
+"""The caches the HTTP server offers as models, and the open Sessions that answer them.
+
+`Provider` is what the HTTP app needs: list the caches, and open one by id as a Session plus the lock
+that serializes generation on its model (Session.ask is not assumed thread-safe; the model, its seed
+and its counters are shared). `DocsProvider` is the standalone one: caches found under folders the way
+`kvcli ls` finds them, models loaded once each, a few Sessions kept open (least recently used goes first),
+and a cache replaced on disk since it was opened is opened again, never answered from the old copy.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass
+class Opened:
+    session: Any  # kvcli.engine.answer.Session
+    lock: Any  # a threading.Lock held while generating on the session's model
+
+
+class Provider(Protocol):
+    def models(self) -> list[tuple[str, dict[str, Any]]]:
+        """(id, catalog row) for every cache offered; a broken cache's row has "error"."""
+
+    def open(self, model_id: str) -> Opened | None:
+        """The Session for that id (None if there is no such cache); raises CacheError if it does not fit."""
+
+
+def catalog_ids(folders: Sequence[Path]) -> list[tuple[str, dict[str, Any]]]:
+    """(id, row) for every cache under the folders: id = path relative to its folder (the first folder wins)."""
+    from ..format import catalog
+
+    seen: dict[str, dict[str, Any]] = {}
+    for folder in folders:
+        folder = Path(folder)
+        if not folder.is_dir():
+            continue
+        for row in catalog.find(folder):
+            path = Path(row["path"])
+            model_id = path.name if path == folder else path.relative_to(folder).as_posix()
+            seen.setdefault(model_id, row)
+    return list(seen.items())
+
+
+def _identity(path: Path) -> tuple:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+class DocsProvider:
+    """Caches under `folders`, answered by models loaded through a ModelPool; at most `max_sessions` kept open."""
+
+    def __init__(self, folders: Sequence[str | os.PathLike], *, pool: Any = None, model: str | None = None,
+                 device: str = "auto", dtype: str | None = None, max_sessions: int = 4):
+        self.folders = [Path(f) for f in folders]
+        self._pool, self._pool_args = pool, dict(model=model, device=device, dtype=dtype)
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, tuple[tuple, Any]] = OrderedDict()
+        self._locks: dict[int, threading.Lock] = {}
+        self._loading = threading.Lock()  # one load at a time: two requests for a new cache load it once
+
+    def models(self) -> list[tuple[str, dict[str, Any]]]:
+        return catalog_ids(self.folders)
+
+    def open(self, model_id: str) -> Opened | None:
+        from ..format import store
+
+        rows = dict(self.models())
+        if model_id not in rows:
+            return None
+        path = Path(rows[model_id]["path"])
+        with self._loading:
+            manifest = store.read_manifest(path)  # CacheError (exit 3's message) if it is broken now
+            stamp = (_identity(path), manifest.to_json()["manifest_sha256"])
+            held = self._sessions.get(str(path))
+            if held is None or held[0] != stamp:
+                session = self._new_session(path)
+                self._sessions[str(path)] = (stamp, session)
+                while len(self._sessions) > self.max_sessions:
+                    self._sessions.popitem(last=False)
+            self._sessions.move_to_end(str(path))
+            session = self._sessions[str(path)][1]
+            lock = self._locks.setdefault(id(session.lm), threading.Lock())
+        return Opened(session=session, lock=lock)
+
+    def _new_session(self, path: Path):
+        from ..engine import answer
+
+        if self._pool is None:
+            self._pool = answer.ModelPool(**self._pool_args)
+        return answer.Session(self._pool.for_cache(path), path)

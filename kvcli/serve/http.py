@@ -1,0 +1,302 @@
+"""kvcli's OpenAI-compatible HTTP endpoint: each prefilled document (a cache) is a "model".
+
+GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions (streamed as server-sent events in
+OpenAI's chunk format, ending with `data: [DONE]`). Errors are OpenAI error objects, never a traceback.
+Generation runs in worker threads, one answer at a time per model in arrival order; at most
+`max_queue` requests wait per model, more get 503. A client that disconnects mid-answer stops its
+generation at the next token. Binding anything but loopback requires an API key (Bearer token).
+Needs the `serve` extra (starlette, sse-starlette, uvicorn), imported only when a server is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import CacheError, ConversationError, KvcliError, UsageError
+from . import openai_api as oa
+from .docs import DocsProvider, Opened, Provider
+
+log = logging.getLogger("kvcli.serve.http")
+DEFAULT_MAX_QUEUE = 32  # requests waiting per model before 503
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """HOST:PORT (or [IPv6]:PORT) -> (host, port); UsageError when malformed."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"--http {text}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    return host.strip("[]"), int(port)
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Only loopback without a key: anyone who can reach the port could read the documents."""
+    if not is_loopback(host) and not api_key:
+        raise UsageError(f"--http {host}: listening on a non-loopback address needs --api-key (clients send it as a Bearer token)")
+
+
+class _Gate:
+    """FIFO turn-taking for one model: `held` counts the requests running or waiting."""
+
+    def __init__(self, limit: int):
+        self.lock, self.limit, self.held = asyncio.Lock(), limit, 0
+
+    def reserve(self) -> None:
+        if self.held > self.limit:
+            raise oa.ApiError(503, f"busy: {self.held} requests already running or waiting for this model; retry later",
+                              type="server_error", code="busy", headers={"Retry-After": "1"})
+        self.held += 1
+
+    async def start(self, work) -> asyncio.Future:
+        """Wait for the turn, then run `work` in a thread; the turn ends when the thread does."""
+        try:
+            await self.lock.acquire()
+        except BaseException:
+            self.held -= 1
+            raise
+        fut = asyncio.get_running_loop().run_in_executor(None, work)
+        fut.add_done_callback(self._release)
+        return fut
+
+    def _release(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled():
+            fut.exception()  # retrieved here: an abandoned answer's _Abandoned is expected, not "never retrieved"
+        self.lock.release()
+        self.held -= 1
+
+
+class _Abandoned(Exception):
+    """The client went away: raised from the text callback to stop generating."""
+
+
+def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE):
+    """The ASGI (starlette) app over `provider`."""
+    from sse_starlette import EventSourceResponse
+    from starlette.applications import Starlette
+    from starlette.background import BackgroundTask
+    from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from ..engine import answer as an, conversation
+
+    gates: dict[int, _Gate] = {}
+    token = api_key.encode() if api_key else None
+
+    def error(exc: oa.ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    def endpoint(fn):
+        async def wrapped(request):
+            try:
+                if token is not None:
+                    given = request.headers.get("authorization", "")
+                    scheme, _, value = given.partition(" ")
+                    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token):
+                        raise oa.ApiError(401, "invalid or missing API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+                return await fn(request)
+            except oa.ApiError as exc:
+                return error(exc)
+            except Exception as exc:  # a bug: logged here, one line to the client
+                log.exception("unexpected error answering %s", request.url.path)
+                return error(oa.ApiError(500, f"internal error ({exc.__class__.__name__})", type="server_error"))
+
+        return wrapped
+
+    async def open_model(model_id: str) -> Opened:
+        try:
+            opened = await run_in_threadpool(provider.open, model_id)
+        except CacheError as exc:
+            raise oa.ApiError(409, str(exc), param="model", code="cache_unusable") from None
+        except KvcliError as exc:
+            raise oa.ApiError(500, str(exc), type="server_error", code="model_unavailable") from None
+        if opened is None:
+            raise oa.ApiError(404, f"model '{model_id}' does not exist: no such cache (see GET /v1/models)",
+                              param="model", code="model_not_found")
+        return opened
+
+    async def list_models(request):
+        rows = await run_in_threadpool(provider.models)
+        return JSONResponse({"object": "list", "data": [oa.model_entry(i, row) for i, row in rows]})
+
+    async def get_model(request):
+        model_id = request.path_params["model_id"]
+        rows = dict(await run_in_threadpool(provider.models))
+        if model_id not in rows:
+            raise oa.ApiError(404, f"model '{model_id}' does not exist", param="model", code="model_not_found")
+        return JSONResponse(oa.model_entry(model_id, rows[model_id]))
+
+    async def chat(request):
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise oa.ApiError(400, "the request body is not valid JSON") from None
+        req = oa.parse_chat(body)
+        opened = await open_model(req.model)
+        session = opened.session
+        try:
+            conversation.check_system(session.framing, req.system, "messages[0].content")
+        except ConversationError as exc:
+            raise oa.ApiError(400, str(exc), param=exc.field) from None
+        try:
+            prompt = await run_in_threadpool(session.prompt_ids, req.question, req.history)
+        except KvcliError as exc:  # a chat template that cannot hold a conversation
+            raise oa.ApiError(400, str(exc), param="messages") from None
+        limit = session.lm.max_positions
+        if limit and len(prompt) >= limit:
+            raise oa.ApiError(400, f"messages: the prompt needs {len(prompt)} of the model's {limit} positions",
+                              param="messages", code="context_length_exceeded")
+        opts = an.GenerationOptions(max_new_tokens=req.max_tokens or an.DEFAULT_MAX_NEW_TOKENS, temperature=req.temperature,
+                                    top_p=req.top_p, seed=req.seed, stop=req.stop)
+        gate = gates.setdefault(id(opened.lock), _Gate(max_queue))
+        gate.reserve()
+        cid = oa.completion_id()
+        if not req.stream:
+            def work():
+                with opened.lock:
+                    return session.ask(req.question, opts, history=req.history)
+
+            return JSONResponse(oa.completion(cid, req.model, await (await gate.start(work))))
+        started = [False]
+
+        async def events():
+            started[0] = True
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            gone = threading.Event()
+
+            def on_text(text: str) -> None:
+                if gone.is_set():
+                    raise _Abandoned()
+                loop.call_soon_threadsafe(queue.put_nowait, text)
+
+            def work():
+                with opened.lock:
+                    if gone.is_set():
+                        raise _Abandoned()
+                    return session.ask(req.question, opts, on_text, history=req.history)
+
+            def data(obj) -> dict[str, str]:
+                return {"data": json.dumps(obj, ensure_ascii=False)}
+
+            try:
+                fut = await gate.start(work)
+                fut.add_done_callback(lambda _f: queue.put_nowait(None))
+                yield data(oa.chunk(cid, req.model, delta={"role": "assistant", "content": ""}))
+                while (text := await queue.get()) is not None:
+                    yield data(oa.chunk(cid, req.model, delta={"content": text}))
+                try:
+                    result = fut.result()
+                except KvcliError as exc:
+                    yield data(oa.ApiError(500, str(exc), type="server_error").body())
+                    return
+                except Exception as exc:
+                    log.error("unexpected error while streaming: %r", exc)
+                    yield data(oa.ApiError(500, f"internal error ({exc.__class__.__name__})", type="server_error").body())
+                    return
+                yield data(oa.chunk(cid, req.model, finish_reason=result.finish_reason))
+                if req.include_usage:
+                    yield data(oa.chunk(cid, req.model, answer=result, with_choice=False))
+                yield {"data": "[DONE]"}
+            finally:
+                gone.set()  # a client gone mid-answer stops its generation at the next token
+
+        def never_started() -> None:
+            if not started[0]:
+                gate.held -= 1
+
+        return EventSourceResponse(events(), sep="\n", ping=15, background=BackgroundTask(never_started))
+
+    async def health(request):
+        return JSONResponse({"status": "ok"})
+
+    async def not_found(request, exc):
+        status = getattr(exc, "status_code", 404)
+        text = "no such endpoint" if status == 404 else f"{request.method} is not allowed here"
+        return error(oa.ApiError(status, f"{request.url.path}: {text}", code="not_found" if status == 404 else "method_not_allowed"))
+
+    routes = [
+        Route("/v1/models", endpoint(list_models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", endpoint(get_model), methods=["GET"]),
+        Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
+        Route("/health", endpoint(health), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind before uvicorn starts, so a taken port is one clear error rather than uvicorn's exit."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        raise KvcliError(f"--http {host}:{port}: cannot listen ({exc.strerror or exc})") from None
+
+
+def _server(provider: Provider, sock: socket.socket, api_key: str | None, max_queue: int):
+    import uvicorn
+
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(create_app(provider, api_key=api_key, max_queue=max_queue), host=host, port=port,
+                            log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+class Running:
+    """An HTTP server answering in a background thread (tests, or next to another server)."""
+
+    def __init__(self, server, sock: socket.socket, thread: threading.Thread):
+        self.server, self.thread = server, thread
+        self.host, self.port = sock.getsockname()[:2]
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def start(host: str, port: int, *, provider: Provider | None = None, docs: Sequence[str] = (), api_key: str | None = None,
+          max_queue: int = DEFAULT_MAX_QUEUE, ready_timeout: float = 30.0) -> Running:
+    """Serve in a daemon thread; returns once it accepts connections (port 0 picks a free port)."""
+    check_bind(host, api_key)
+    sock = _listen(host, port)
+    server = _server(provider or DocsProvider(docs), sock, api_key, max_queue)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvcli-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + ready_timeout
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not server.started:
+        server.should_exit = True
+        raise KvcliError(f"--http {host}:{port}: the server did not start")
+    return Running(server, sock, thread)
+
+
+def run(host: str, port: int, *, provider: Provider | None = None, docs: Sequence[str] = (), api_key: str | None = None,
+        max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+    """Serve in the foreground until Ctrl-C or SIGTERM (in-flight answers end first, up to 5 s)."""
+    check_bind(host, api_key)
+    sock = _listen(host, port)
+    _server(provider or DocsProvider(docs), sock, api_key, max_queue).run(sockets=[sock])

@@ -1,0 +1,156 @@
+"""OpenAI chat-completions shapes without a web framework: request checking, responses, chunks, errors.
+
+Only what kvcli answers is accepted; a field kvcli cannot honour (n > 1, logprobs, tools) is a 400 naming
+it, never silently ignored. Fields kvcli has no use for (user, metadata, ...) are ignored.
+Unlike OpenAI, an omitted temperature means 0 (greedy): answers equal the model's answer on the full prompt.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine import conversation
+from ..errors import ConversationError
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's error object shape."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    system: str | None
+    history: list[conversation.Exchange]
+    question: str
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value > hi or value < lo or (lo_open and value == lo):
+        raise _bad(name, f"must be a number {'above' if lo_open else 'from'} {lo:g} {'up to' if lo_open else 'to'} {hi:g}")
+    return float(value)
+
+
+def _integer(body: dict, name: str, lo: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise _bad(name, f"must be an integer of at least {lo}")
+    return value
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    """Check a chat-completions body; ApiError(400) names the first bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", "required: the id of a cache (see GET /v1/models)")
+    try:
+        system, history, question = conversation.from_messages(body.get("messages"))
+    except ConversationError as exc:
+        raise ApiError(400, str(exc), param=exc.field) from None
+    max_tokens = _integer(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1)
+    temperature = _number(body, "temperature", 0, 2)
+    top_p = _number(body, "top_p", 0, 1, lo_open=True)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise _bad("seed", "must be an integer")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is None:
+        stop = []
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise _bad("stop", "must be a string or a list of up to 4 non-empty strings")
+    if body.get("n") not in (None, 1):
+        raise _bad("n", "only n=1 is supported")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise _bad("stream", "must be true or false")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _bad("stream_options", "must be an object")
+    for name in ("logprobs", "tools", "functions", "tool_choice", "audio"):
+        if body.get(name) not in (None, False, [], "none"):
+            raise _bad(name, "not supported by kvcli")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise _bad("response_format", "only {\"type\": \"text\"} is supported")
+    return ChatRequest(model=model, system=system, history=history, question=question, max_tokens=max_tokens,
+                       temperature=temperature or 0.0, top_p=1.0 if top_p is None else top_p, seed=seed,
+                       stop=tuple(stop), stream=bool(stream), include_usage=bool(options.get("include_usage")))
+
+
+def model_entry(model_id: str, row: dict[str, Any]) -> dict[str, Any]:
+    """One /v1/models entry: OpenAI's fields plus kvcli's own metadata under "kvcli"."""
+    created = int(time.time() - row.get("age_s", 0.0))
+    if "error" in row:
+        meta = {"path": row["path"], "error": row["error"]}
+    else:
+        meta = {k: row.get(k) for k in ("path", "num_tokens", "model", "model_type", "dtype", "bytes_on_disk", "bytes_raw")}
+        meta["document"] = (row.get("document") or {}).get("name")
+        meta["system"] = (row.get("framing") or {}).get("system")
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "kvcli", "kvcli": meta}
+
+
+def usage(answer) -> dict[str, Any]:
+    prompt, completion = len(answer.prompt_token_ids), len(answer.answer_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": answer.cached_tokens}}
+
+
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def completion(cid: str, model: str, answer) -> dict[str, Any]:
+    """The non-streamed chat.completion object."""
+    return {
+        "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.answer},
+                     "finish_reason": answer.finish_reason, "logprobs": None}],
+        "usage": usage(answer),
+        "kvcli": {"ttft_s": answer.ttft_s, "total_s": answer.total_s, "processed_tokens": answer.processed_tokens},
+    }
+
+
+def chunk(cid: str, model: str, *, delta: dict[str, Any] | None = None, finish_reason: str | None = None,
+          answer=None, with_choice: bool = True) -> dict[str, Any]:
+    """One chat.completion.chunk: a content delta, the closing finish_reason, or (choices empty) the usage."""
+    out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                           "choices": []}
+    if with_choice:
+        out["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish_reason, "logprobs": None}]
+    if answer is not None:
+        out["usage"] = usage(answer)
+    return out

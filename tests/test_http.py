@@ -1,0 +1,285 @@
+"""The OpenAI-compatible HTTP endpoint, driven by the official `openai` client against uvicorn on 127.0.0.1.
+
+A tiny random llama (saved as a folder, real tokenizer and chat template) answers; each answer is checked
+against the in-process Session and against generate() on the full prompt ids without a cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("sse_starlette")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import kvcli  # noqa: E402
+from kvcli.documents import decode  # noqa: E402
+from kvcli.errors import UsageError  # noqa: E402
+from kvcli.serve import http  # noqa: E402
+from kvcli.serve.docs import DocsProvider, Opened  # noqa: E402
+from tests.conftest import reference_answer, sample_text  # noqa: E402
+from tests.helpers import error_lines, run  # noqa: E402
+
+MAX = 8
+Q1, Q2 = "What does the word Licensor mean?", "And the Licensee?"
+
+
+@pytest.fixture(scope="module")
+def docs(tiny_model_dir, tmp_path_factory):
+    """A folder with two caches of the tiny model (one with a system message) and its loaded model."""
+    folder = tmp_path_factory.mktemp("docs")
+    lm = kvcli.load(str(tiny_model_dir))
+    kvcli.prefill(lm, decode(sample_text()[:1500].encode(), "licence.txt"), folder / "licence.kv")
+    kvcli.prefill(lm, decode(sample_text()[3000:4000].encode(), "brief.txt"), folder / "brief.kv", system="Be brief.")
+    return folder, lm
+
+
+@pytest.fixture(scope="module")
+def server(docs):
+    provider = DocsProvider([docs[0]])
+    srv = http.start("127.0.0.1", 0, provider=provider)
+    yield srv, provider
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0].base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _alone(docs, name: str, question: str, history=(), max_new: int = MAX):
+    folder, lm = docs
+    return kvcli.Session(lm, folder / name).ask(question, kvcli.GenerationOptions(max_new_tokens=max_new), history=list(history))
+
+
+def test_models_list_and_retrieve(client, docs):
+    models = {m.id: m for m in client.models.list()}
+    assert set(models) == {"licence.kv", "brief.kv"}
+    meta = models["licence.kv"].model_extra["kvcli"]
+    manifest = kvcli.read_manifest(docs[0] / "licence.kv")
+    assert meta["num_tokens"] == manifest.num_tokens and meta["bytes_on_disk"] == manifest.bytes_stored
+    assert meta["model"] == manifest.model["source"]["name"] and meta["document"] == "licence.txt"
+    assert models["brief.kv"].model_extra["kvcli"]["system"] == "Be brief."
+    assert client.models.retrieve("licence.kv").id == "licence.kv"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope.kv")
+
+
+def test_completion_equals_asking_in_process_and_recompute(client, docs):
+    r = client.chat.completions.create(model="licence.kv", messages=[{"role": "user", "content": Q1}], max_tokens=MAX)
+    alone = _alone(docs, "licence.kv", Q1)
+    assert r.choices[0].message.content == alone.answer and r.choices[0].finish_reason == alone.finish_reason
+    assert r.usage.prompt_tokens == len(alone.prompt_token_ids) and r.usage.completion_tokens == len(alone.answer_token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens == alone.cached_tokens > 100
+    assert alone.answer_token_ids == reference_answer(docs[1].model, alone.prompt_token_ids, MAX)
+    assert r.object == "chat.completion" and r.model == "licence.kv" and r.id.startswith("chatcmpl-")
+
+
+def test_follow_up_equals_generate_on_the_whole_conversation(client, docs):
+    first = _alone(docs, "brief.kv", Q1)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": Q1},
+                {"role": "assistant", "content": first.answer}, {"role": "user", "content": Q2}]
+    r = client.chat.completions.create(model="brief.kv", messages=messages, max_completion_tokens=MAX, temperature=0)
+    alone = _alone(docs, "brief.kv", Q2, [(Q1, first.answer)])
+    assert r.choices[0].message.content == alone.answer
+    assert alone.answer_token_ids == reference_answer(docs[1].model, alone.prompt_token_ids, MAX)
+    assert r.usage.prompt_tokens == len(alone.prompt_token_ids) and r.usage.prompt_tokens_details.cached_tokens == alone.cached_tokens
+
+
+def test_stream_matches_and_ends_with_done(client, server, docs):
+    chunks = list(client.chat.completions.create(model="licence.kv", messages=[{"role": "user", "content": Q2}],
+                                                 max_tokens=MAX, stream=True, stream_options={"include_usage": True}))
+    alone = _alone(docs, "licence.kv", Q2)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == alone.answer
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [alone.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(alone.answer_token_ids)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == alone.cached_tokens
+    body = {"model": "licence.kv", "messages": [{"role": "user", "content": Q2}], "max_tokens": 3, "stream": True}
+    raw = httpx.post(server[0].base_url + "/chat/completions", json=body, timeout=60)
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in raw.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and all(json.loads(e[6:])["object"] == "chat.completion.chunk" for e in events[:-1])
+
+
+def test_sampling_options_and_stop(client, docs):
+    kw = dict(model="licence.kv", messages=[{"role": "user", "content": Q1}], max_tokens=6, temperature=0.9, top_p=0.9)
+    a = client.chat.completions.create(seed=7, **kw).choices[0].message.content
+    assert client.chat.completions.create(seed=7, **kw).choices[0].message.content == a
+    greedy = _alone(docs, "licence.kv", Q1)
+    cut = greedy.answer[2:5]
+    r = client.chat.completions.create(model="licence.kv", messages=[{"role": "user", "content": Q1}], max_tokens=MAX, stop=[cut])
+    assert r.choices[0].message.content == greedy.answer[: greedy.answer.find(cut)] and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("override, param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"n": 2}, "n"), ({"stop": [1]}, "stop"), ({"seed": "x"}, "seed"), ({"logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"messages": []}, "messages"), ({"model": None}, "model"),
+])
+def test_bad_body_is_400_naming_the_field(client, override, param):
+    body = {"model": "licence.kv", "messages": [{"role": "user", "content": Q1}], **override}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**body)
+    assert err.value.status_code == 400 and err.value.body["param"] == param and param in err.value.body["message"]
+
+
+def test_other_errors_in_openai_shape(client, server):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="../elsewhere.kv", messages=[{"role": "user", "content": Q1}])
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="built with the system message 'Be brief.'"):
+        client.chat.completions.create(model="brief.kv", messages=[{"role": "system", "content": "Be long."},
+                                                                   {"role": "user", "content": Q1}])
+    with pytest.raises(openai.BadRequestError, match="built without a system message"):
+        client.chat.completions.create(model="licence.kv", messages=[{"role": "system", "content": "Pirate."},
+                                                                     {"role": "user", "content": Q1}])
+    base = server[0].base_url
+    for r, status in ((httpx.post(base + "/chat/completions", content=b"{not json", timeout=30), 400),
+                      (httpx.get(base + "/nowhere", timeout=30), 404), (httpx.get(base + "/chat/completions", timeout=30), 405)):
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert "Traceback" not in r.text
+
+
+def test_cache_that_no_longer_fits_is_409_with_the_cli_message(client, docs, tiny_model_dir, tmp_path):
+    folder = tmp_path / "docs"
+    shutil.copytree(docs[0] / "licence.kv", folder / "broken.kv")
+    manifest = folder / "broken.kv" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"licence.txt"', '"other.txt"'))
+    srv = http.start("127.0.0.1", 0, docs=[folder])
+    try:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.ConflictError) as err:
+            c.chat.completions.create(model="broken.kv", messages=[{"role": "user", "content": Q1}])
+    finally:
+        srv.stop()
+    cli = run("ask", "--cache", folder / "broken.kv", Q1)
+    assert cli.exit_code == 3
+    assert error_lines(cli)[0] == f"kvcli: error: {err.value.body['message']}"
+    # a cache built for another model: 409 too (the server told to answer with another model)
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    from tests.conftest import tiny_llama
+
+    tiny_llama(docs[1].tokenizer.__len__(), seed=1).save_pretrained(other)
+    srv = http.start("127.0.0.1", 0, provider=DocsProvider([docs[0]], model=str(other)))
+    try:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
+        with pytest.raises(openai.ConflictError, match="built for another model .* differs in .*weights"):
+            c.chat.completions.create(model="licence.kv", messages=[{"role": "user", "content": Q1}])
+    finally:
+        srv.stop()
+
+
+def test_api_key_is_required_and_checked(docs):
+    srv = http.start("127.0.0.1", 0, docs=[docs[0]], api_key="s3cret")
+    try:
+        bad = openai.OpenAI(base_url=srv.base_url, api_key="wrong", max_retries=0, timeout=30)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        assert httpx.get(srv.base_url + "/models", timeout=30).status_code == 401
+        good = openai.OpenAI(base_url=srv.base_url, api_key="s3cret", max_retries=0, timeout=30)
+        assert {m.id for m in good.models.list()} == {"licence.kv", "brief.kv"}
+    finally:
+        srv.stop()
+
+
+def test_only_loopback_without_a_key():
+    http.check_bind("127.0.0.1", None)
+    http.check_bind("::1", None)
+    http.check_bind("localhost", None)
+    http.check_bind("0.0.0.0", "key")
+    for host in ("0.0.0.0", "192.168.1.5", "::", "example.org"):
+        with pytest.raises(UsageError, match="needs --api-key"):
+            http.check_bind(host, None)
+    assert http.parse_address("[::1]:8080") == ("::1", 8080)
+    with pytest.raises(UsageError, match="HOST:PORT"):
+        http.parse_address("8080")
+
+
+class _HeldProvider:
+    """Wraps a provider with a lock the test holds, to keep one request running."""
+
+    def __init__(self, inner):
+        self.inner, self.lock = inner, threading.Lock()
+
+    def models(self):
+        return self.inner.models()
+
+    def open(self, model_id):
+        opened = self.inner.open(model_id)
+        return opened and Opened(session=opened.session, lock=self.lock)
+
+
+def test_busy_is_503_and_the_first_request_still_finishes(docs):
+    provider = _HeldProvider(DocsProvider([docs[0]]))
+    srv = http.start("127.0.0.1", 0, provider=provider, max_queue=0)
+    c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
+    body = dict(model="licence.kv", messages=[{"role": "user", "content": Q1}], max_tokens=MAX)
+    results = []
+    try:
+        provider.lock.acquire()
+        first = threading.Thread(target=lambda: results.append(c.chat.completions.create(**body)))
+        first.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the first request holds the model's turn
+            try:
+                c.chat.completions.create(**{**body, "max_tokens": 1})
+            except openai.InternalServerError as exc:
+                assert exc.status_code == 503 and exc.body["code"] == "busy" and exc.response.headers["retry-after"] == "1"
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("no 503 while the model was busy")
+        provider.lock.release()
+        first.join(60)
+        assert results and results[0].choices[0].message.content == _alone(docs, "licence.kv", Q1).answer
+    finally:
+        if provider.lock.locked():
+            provider.lock.release()
+        srv.stop()
+
+
+def test_client_gone_mid_stream_stops_its_generation(server, client, docs):
+    _srv, provider = server
+    session = provider.open("licence.kv").session
+    from tests.conftest import TokenCounter
+
+    counter = TokenCounter(session.lm.model)
+    try:
+        stream = client.chat.completions.create(model="licence.kv", messages=[{"role": "user", "content": Q1}],
+                                                max_tokens=2000, stream=True)
+        for n, _chunk in enumerate(stream):
+            if n == 3:
+                break
+        stream.close()
+        deadline = time.monotonic() + 30
+        while provider.open("licence.kv").lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(counter.calls) < 400, len(counter.calls)  # stopped long before 2000 tokens
+    finally:
+        counter.close()
+    r = client.chat.completions.create(model="licence.kv", messages=[{"role": "user", "content": Q1}], max_tokens=MAX)
+    assert r.choices[0].message.content == _alone(docs, "licence.kv", Q1).answer
+
+
+def test_plain_cli_never_imports_the_http_stack():
+    from tests.helpers import run_python
+
+    code = ("import sys\nfrom kvcli.cli import app\nfrom typer.testing import CliRunner\n"
+            "CliRunner().invoke(app, ['ask', '--help'])\n"
+            "bad = [m for m in ('starlette', 'uvicorn', 'sse_starlette', 'openai', 'kvcli.serve.http') if m in sys.modules]\n"
+            "print(bad)")
+    out = run_python(code)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
