@@ -47,6 +47,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on 
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
 ServerOpt = Annotated[Optional[bool], typer.Option("--server/--no-server", help="Require a running `kvcli serve` / never use one (default: use one if it answers).", show_default=False)]
 SocketOpt = Annotated[Optional[Path], typer.Option("--socket", help="The server's socket (default: $KVCLI_SOCKET, else $KVCLI_HOME/kvcli.sock).", show_default=False)]
+FollowUpOpt = Annotated[Optional[Path], typer.Option("--follow-up", help="Continue the conversation of the last line of this `ask --json` output ('-' for stdin).", show_default=False)]
 
 
 class _Help(TyperCommand):
@@ -298,6 +299,7 @@ def ask(
     null: Annotated[bool, typer.Option("--null", "-0", help="End each plain answer with a NUL byte instead of a newline.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Also run each prompt and answer once without the cache and compare logits "
                                         "(costs a full recompute of the document per question); exit 4 if an answer differs.")] = False,
+    follow_up: FollowUpOpt = None,
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
@@ -311,6 +313,9 @@ def ask(
         raise UsageError("--top-p must be above 0")
     if repetition_penalty <= 0:
         raise UsageError("--repetition-penalty must be above 0 (1 is off)")
+    if str(follow_up) == "-" and (questions_file == "-" or not questions):
+        raise UsageError("--follow-up - reads stdin: give the questions as arguments or with -f FILE")
+    earlier = _read_answer_json(follow_up) if follow_up else None
     if trust_remote_code and not model:
         raise UsageError("--trust-remote-code needs an explicit --model: a cache must not choose whose code runs")
     qs = _gather_questions(questions or [], questions_file)
@@ -334,7 +339,7 @@ def ask(
         served = _served(out, server, "ask", fields, [*(str(Path(c)) for c in cache), model], answered=answered)
         if served is not None:
             return served
-    from .engine import answer as an
+    from .engine import answer as an, conversation
 
     opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop),
                                 repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
@@ -355,6 +360,7 @@ def ask(
             out.error(exc, exc.hint)
             first_error = first_error or exc
             continue
+        history = conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier is not None else []
         for q in qs:
             out.check_stdout()  # a reader that left (`| head -1`) cancels the questions still to come
             room = session.answer_room(q)
@@ -364,7 +370,7 @@ def ask(
             if several:  # on a terminal only: which cache and question the next answer belongs to
                 out.heading(f"{_shown(path)}: {q}" if len(cache) > 1 else q)
             stream = None if json_out else out.write
-            a = session.ask(q, opts, on_text=stream, check=check)
+            a = session.ask(q, opts, on_text=stream, check=check, history=history)
             a.cache = _shown(path)
             if json_out:
                 out.json_line({**a.to_json(), "served": False})
@@ -458,6 +464,23 @@ def _timing(a) -> str:
     return line + (" (stopped at --max-new-tokens)" if a.finish_reason == "length" else "")
 
 
+def _read_answer_json(path: Path):
+    """The last JSON line of an `ask --json` output file (or stdin for '-')."""
+    import json
+
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: cannot read ({exc})") from None
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise UsageError(f"{path}: empty (expected `kvcli ask --json` output)")
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        raise UsageError(f"{path}: the last line is not JSON (expected `kvcli ask --json` output)") from None
+
+
 def _gather_questions(args: list[str], questions_file: Optional[str]) -> list[str]:
     for n, q in enumerate(args, 1):
         if not q.strip():
@@ -476,6 +499,50 @@ def _gather_questions(args: list[str], questions_file: Optional[str]) -> list[st
     if not qs:
         raise UsageError("no question given (arguments, -f FILE, or text on stdin)")
     return qs
+
+
+@command
+def chat(
+    cache: Annotated[Path, typer.Option("--cache", "-c", help="Cache of the document to talk about.")],
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per answer.")] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 for greedy (default).")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling threshold (with --temperature).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
+    stop: Annotated[list[str], typer.Option(help="End an answer at this string (repeatable).")] = [],  # noqa: B006
+    follow_up: FollowUpOpt = None,
+    model: ModelOpt = None,
+    revision: RevisionOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: Annotated[Optional[str], typer.Option(help="Compute dtype (default: the cache's).")] = None,
+    convert_dtype: Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")] = False,
+    trust_remote_code: TrustOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Talk about a cached document: one question per line (interactive or stdin); each follows the earlier ones."""
+    from .engine import answer as an, conversation
+
+    out = Output(quiet=quiet)
+    if top_p <= 0:
+        raise UsageError("--top-p must be above 0")
+    if str(follow_up) == "-":
+        raise UsageError("chat reads its questions from stdin: give --follow-up a file")
+    if trust_remote_code and not model:
+        raise UsageError("--trust-remote-code needs an explicit --model: a cache must not choose whose code runs")
+    earlier = _read_answer_json(follow_up) if follow_up else None
+    opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop))
+    loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
+    with out.status(f"loading {cache}"):
+        session = an.Session(loader.for_cache(cache), cache, convert_dtype=convert_dtype)
+    for warning in session.warnings:
+        out.warn(warning)
+    talk = conversation.Chat(session, conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier else ())
+    while (line := out.read_line("> ")) is not None:
+        if not line.strip():
+            continue
+        a = talk.ask(line, opts, on_text=None if json_out else out.write)
+        out.json_line(a.to_json()) if json_out else out.write("\n")
+    return 0
 
 
 @command

@@ -94,6 +94,13 @@ class Output:
     def table(self, table: Any) -> None:
         _StdoutConsole(soft_wrap=True).print(table)
 
+    def read_line(self, prompt: str) -> str | None:
+        """One line from stdin, None at its end; the prompt goes to stderr, and only on a terminal."""
+        if sys.stdin.isatty() and not self.quiet:
+            self.err.print(prompt, end="", markup=False)
+        line = sys.stdin.readline()
+        return None if line == "" else line.rstrip("\n")
+
     # ---- stderr: everything for people
     def note(self, message: str) -> None:
         if not self.quiet:

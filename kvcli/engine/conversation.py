@@ -143,3 +143,35 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise ConversationError(f"{where}: must be a string or a list of text parts", field=where)
+
+
+class Chat:
+    """A conversation about one cached document: each ask() follows the earlier questions and answers."""
+
+    def __init__(self, session: Any, history: Sequence[Exchange] = ()):
+        self.session = session
+        self.history: list[Exchange] = list(history)
+
+    def ask(self, question: str, options: Any = None, on_text: Any = None):
+        answer = self.session.ask(question, options, on_text, history=self.history)
+        self.history.append((question, answer.answer))
+        return answer
+
+
+def from_answer_json(record: Any, token_ids: Sequence[int], where: str = "--follow-up") -> list[Exchange]:
+    """The conversation so far from one `kvcli ask --json` line: its history, then its question and answer.
+
+    The record's prompt must start with this cache's document ids: a follow-up to an answer about
+    another document is refused rather than answered.
+    """
+    if not isinstance(record, dict) or not isinstance(record.get("question"), str) or not isinstance(record.get("answer"), str):
+        raise ConversationError(f"{where}: not a `kvcli ask --json` answer (needs question and answer)", field=where)
+    history = record.get("history") or []
+    if not isinstance(history, list) or not all(
+        isinstance(h, dict) and isinstance(h.get("question"), str) and isinstance(h.get("answer"), str) for h in history
+    ):
+        raise ConversationError(f"{where}: history must be a list of {{question, answer}} objects", field=where)
+    prompt = record.get("prompt_token_ids")
+    if isinstance(prompt, list) and list(prompt[: len(token_ids)]) != list(token_ids):
+        raise ConversationError(f"{where}: that answer came from another document or cache (its prompt does not start with this cache's ids)", field=where)
+    return [(h["question"], h["answer"]) for h in history] + [(record["question"], record["answer"])]
