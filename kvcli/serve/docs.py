@@ -71,10 +71,9 @@ class DocsProvider:
     def open(self, model_id: str) -> Opened | None:
         from ..format import store
 
-        rows = dict(self.models())
-        if model_id not in rows:
+        path = self._resolve(model_id)
+        if path is None:
             return None
-        path = Path(rows[model_id]["path"])
         with self._loading:
             manifest = store.read_manifest(path)  # CacheError (exit 3's message) if it is broken now
             stamp = (_identity(path), manifest.to_json()["manifest_sha256"])
@@ -88,6 +87,20 @@ class DocsProvider:
             session = self._sessions[str(path)][1]
             lock = self._locks.setdefault(id(session.lm), threading.Lock())
         return Opened(session=session, lock=lock)
+
+    def _resolve(self, model_id: str) -> Path | None:
+        """The cache an id names, as models() would list it (a direct child of a folder, or the folder itself)."""
+        from ..format import store
+
+        if not model_id or "/" in model_id or "\\" in model_id or model_id in (".", ".."):
+            return None
+        for folder in self.folders:
+            if store.is_cache(folder):
+                if folder.name == model_id:
+                    return folder
+            elif store.is_cache(folder / model_id):
+                return folder / model_id
+        return None
 
     def _new_session(self, path: Path):
         from ..engine import answer
