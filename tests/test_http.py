@@ -283,3 +283,20 @@ def test_plain_cli_never_imports_the_http_stack():
             "print(bad)")
     out = run_python(code)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_provider_reopens_a_replaced_cache_and_bounds_open_sessions(docs, tmp_path):
+    folder, lm = docs
+    work = tmp_path / "docs"
+    work.mkdir()
+    for name in ("licence.kv", "brief.kv"):
+        shutil.copytree(folder / name, work / name)
+    provider = DocsProvider([work], max_sessions=1)
+    first = provider.open("licence.kv").session
+    assert provider.open("licence.kv").session is first
+    kvcli.prefill(lm, decode(sample_text()[6000:7000].encode(), "new.txt"), work / "licence.kv", force=True)
+    again = provider.open("licence.kv").session
+    assert again is not first and again.token_ids == kvcli.read_manifest(work / "licence.kv").token_ids != first.token_ids
+    provider.open("brief.kv")
+    assert list(provider._sessions) == [str(work / "brief.kv")]  # the least recently used went
+    assert provider.open("missing.kv") is None and provider.open("../docs") is None
