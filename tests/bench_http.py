@@ -82,7 +82,8 @@ def ask_streaming(base_url: str, model: str, question: str, max_tokens: int, tim
 
 def load(base_url: str, model: str, clients: int, max_tokens: int, timeout: float = 300) -> dict:
     """Each distinct question alone, then `clients` at once; every concurrent answer must equal its lone one."""
-    alone = {q: ask_streaming(base_url, model, q, max_tokens, timeout)["text"] for q in QUESTIONS}
+    lone = [ask_streaming(base_url, model, q, max_tokens, timeout) for q in QUESTIONS]
+    alone = {r["question"]: r["text"] for r in lone}
     results: list[dict] = []
     errors: list[BaseException] = []
 
@@ -106,6 +107,8 @@ def load(base_url: str, model: str, clients: int, max_tokens: int, timeout: floa
         "identical_to_alone": sum(r["text"] == alone[r["question"]] for r in results),
         "wall_s": round(wall, 3), "requests_per_s": round(len(results) / wall, 3),
         "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None, "ttft_p95_s": round(q[18], 3) if ttfts else None,
+        "alone_ttft_median_s": round(statistics.median(r["ttft_s"] for r in lone if r["ttft_s"] is not None), 3),
+        "alone_total_median_s": round(statistics.median(r["total_s"] for r in lone), 3),
     }
 
 
@@ -125,6 +128,7 @@ def main() -> None:
         del lm
         server = Server(Path(tmp), env=dict(os.environ))
         try:
+            ask_streaming(server.base_url, "doc.kv", QUESTIONS[0], args.max_tokens, 300)  # loads the model and the cache
             before = server.memory()
             report = load(server.base_url, "doc.kv", args.clients, args.max_tokens)
             report.update(rss_before=before["VmRSS"], rss_after=server.memory()["VmRSS"], peak_rss=server.memory()["VmHWM"])
