@@ -300,3 +300,45 @@ def test_provider_reopens_a_replaced_cache_and_bounds_open_sessions(docs, tmp_pa
     provider.open("brief.kv")
     assert list(provider._sessions) == [str(work / "brief.kv")]  # the least recently used went
     assert provider.open("missing.kv") is None and provider.open("../docs") is None
+
+
+class _CountingProvider:
+    """Counts sessions lent and given back (a warm LRU must not keep an entry pinned forever)."""
+
+    def __init__(self, inner):
+        self.inner, self.lent, self.back = inner, 0, 0
+
+    def models(self):
+        return self.inner.models()
+
+    def open(self, model_id):
+        opened = self.inner.open(model_id)
+        if opened is None:
+            return None
+        self.lent += 1
+
+        def release():
+            self.back += 1
+
+        return Opened(session=opened.session, lock=opened.lock, release=release)
+
+
+def test_every_session_lent_is_given_back_once(docs):
+    provider = _CountingProvider(DocsProvider([docs[0]]))
+    srv = http.start("127.0.0.1", 0, provider=provider)
+    c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
+    msg = [{"role": "user", "content": Q1}]
+    try:
+        c.chat.completions.create(model="licence.kv", messages=msg, max_tokens=3)
+        list(c.chat.completions.create(model="licence.kv", messages=msg, max_tokens=3, stream=True))
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="brief.kv", messages=[{"role": "system", "content": "x"}, *msg])
+        stream = c.chat.completions.create(model="licence.kv", messages=msg, max_tokens=500, stream=True)
+        next(iter(stream))
+        stream.close()
+        deadline = time.monotonic() + 30
+        while provider.back < provider.lent and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert provider.lent == 4 and provider.back == 4
+    finally:
+        srv.stop()

@@ -12,16 +12,21 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass
 class Opened:
     session: Any  # kvcli.engine.answer.Session
-    lock: Any  # a threading.Lock held while generating on the session's model
+    lock: Any  # a lock (context manager) held while generating on the session's model
+    release: Callable[[], None] = _nothing  # called once when the request is done with the session
 
 
 class Provider(Protocol):
@@ -29,7 +34,9 @@ class Provider(Protocol):
         """(id, catalog row) for every cache offered; a broken cache's row has "error"."""
 
     def open(self, model_id: str) -> Opened | None:
-        """The Session for that id (None if there is no such cache); raises CacheError if it does not fit."""
+        """The Session for that id (None if there is no such cache); raises CacheError if it does not fit.
+
+        The caller calls `release()` on the result once, when it no longer uses the session."""
 
 
 def catalog_ids(folders: Sequence[Path]) -> list[tuple[str, dict[str, Any]]]:

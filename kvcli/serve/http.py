@@ -82,6 +82,17 @@ class _Gate:
         self.held -= 1
 
 
+def _once(fn):
+    """fn, callable many times from any thread, run the first time only."""
+    first = threading.Lock()
+
+    def call() -> None:
+        if first.acquire(blocking=False):
+            fn()
+
+    return call
+
+
 class _Abandoned(Exception):
     """The client went away: raised from the text callback to stop generating."""
 
@@ -151,54 +162,66 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
             raise oa.ApiError(400, "the request body is not valid JSON") from None
         req = oa.parse_chat(body)
         opened = await open_model(req.model)
-        session = opened.session
+        release = _once(opened.release)
         try:
-            conversation.check_system(session.framing, req.system, "messages[0].content")
-        except ConversationError as exc:
-            raise oa.ApiError(400, str(exc), param=exc.field) from None
-        try:
-            prompt = await run_in_threadpool(session.prompt_ids, req.question, req.history)
-        except KvcliError as exc:  # a chat template that cannot hold a conversation
-            raise oa.ApiError(400, str(exc), param="messages") from None
-        limit = session.lm.max_positions
-        if limit and len(prompt) >= limit:
-            raise oa.ApiError(400, f"messages: the prompt needs {len(prompt)} of the model's {limit} positions",
-                              param="messages", code="context_length_exceeded")
+            session = opened.session
+            try:
+                conversation.check_system(session.framing, req.system, "messages[0].content")
+            except ConversationError as exc:
+                raise oa.ApiError(400, str(exc), param=exc.field) from None
+            try:
+                prompt = await run_in_threadpool(session.prompt_ids, req.question, req.history)
+            except KvcliError as exc:  # a chat template that cannot hold a conversation
+                raise oa.ApiError(400, str(exc), param="messages") from None
+            limit = session.lm.max_positions
+            if limit and len(prompt) >= limit:
+                raise oa.ApiError(400, f"messages: the prompt needs {len(prompt)} of the model's {limit} positions",
+                                  param="messages", code="context_length_exceeded")
+            gate = gates.setdefault(id(opened.lock), _Gate(max_queue))
+            gate.reserve()
+        except BaseException:
+            release()
+            raise
         opts = an.GenerationOptions(max_new_tokens=req.max_tokens or an.DEFAULT_MAX_NEW_TOKENS, temperature=req.temperature,
                                     top_p=req.top_p, seed=req.seed, stop=req.stop)
-        gate = gates.setdefault(id(opened.lock), _Gate(max_queue))
-        gate.reserve()
         cid = oa.completion_id()
-        if not req.stream:
-            def work():
-                with opened.lock:
-                    return session.ask(req.question, opts, history=req.history)
+        gone = threading.Event()
 
-            return JSONResponse(oa.completion(cid, req.model, await (await gate.start(work))))
+        def work(on_text=None):
+            try:
+                with opened.lock:
+                    if gone.is_set():
+                        raise _Abandoned()
+                    return session.ask(req.question, opts, on_text, history=req.history)
+            finally:
+                release()
+
+        async def run(work) -> asyncio.Future:
+            try:
+                return await gate.start(work)
+            except BaseException:
+                release()
+                raise
+
+        if not req.stream:
+            return JSONResponse(oa.completion(cid, req.model, await (await run(work))))
         started = [False]
 
         async def events():
             started[0] = True
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
-            gone = threading.Event()
 
             def on_text(text: str) -> None:
                 if gone.is_set():
                     raise _Abandoned()
                 loop.call_soon_threadsafe(queue.put_nowait, text)
 
-            def work():
-                with opened.lock:
-                    if gone.is_set():
-                        raise _Abandoned()
-                    return session.ask(req.question, opts, on_text, history=req.history)
-
             def data(obj) -> dict[str, str]:
                 return {"data": json.dumps(obj, ensure_ascii=False)}
 
             try:
-                fut = await gate.start(work)
+                fut = await run(lambda: work(on_text))
                 fut.add_done_callback(lambda _f: queue.put_nowait(None))
                 yield data(oa.chunk(cid, req.model, delta={"role": "assistant", "content": ""}))
                 while (text := await queue.get()) is not None:
@@ -222,6 +245,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
         def never_started() -> None:
             if not started[0]:
                 gate.held -= 1
+                release()
 
         return EventSourceResponse(events(), sep="\n", ping=15, background=BackgroundTask(never_started))
 
