@@ -55,6 +55,21 @@ def catalog_ids(folders: Sequence[Path]) -> list[tuple[str, dict[str, Any]]]:
     return list(seen.items())
 
 
+def resolve(folders: Sequence[Path], model_id: str) -> Path | None:
+    """The cache an id names, as catalog_ids lists it (a direct child of a folder, or the folder itself)."""
+    from ..format import store
+
+    if not model_id or "/" in model_id or "\\" in model_id or model_id in (".", ".."):
+        return None
+    for folder in folders:
+        if store.is_cache(folder):
+            if folder.name == model_id:
+                return folder
+        elif store.is_cache(folder / model_id):
+            return folder / model_id
+    return None
+
+
 def _identity(path: Path) -> tuple:
     st = os.stat(path)
     return st.st_dev, st.st_ino
@@ -78,7 +93,7 @@ class DocsProvider:
     def open(self, model_id: str) -> Opened | None:
         from ..format import store
 
-        path = self._resolve(model_id)
+        path = resolve(self.folders, model_id)
         if path is None:
             return None
         with self._loading:
@@ -94,20 +109,6 @@ class DocsProvider:
             session = self._sessions[str(path)][1]
             lock = self._locks.setdefault(id(session.lm), threading.Lock())
         return Opened(session=session, lock=lock)
-
-    def _resolve(self, model_id: str) -> Path | None:
-        """The cache an id names, as models() would list it (a direct child of a folder, or the folder itself)."""
-        from ..format import store
-
-        if not model_id or "/" in model_id or "\\" in model_id or model_id in (".", ".."):
-            return None
-        for folder in self.folders:
-            if store.is_cache(folder):
-                if folder.name == model_id:
-                    return folder
-            elif store.is_cache(folder / model_id):
-                return folder / model_id
-        return None
 
     def _new_session(self, path: Path):
         from ..engine import answer
