@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from ..errors import CacheError, ConversationError, KvcliError, UsageError
 from . import openai_api as oa
