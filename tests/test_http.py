@@ -208,11 +208,25 @@ def test_only_loopback_without_a_key():
         http.parse_address("8080")
 
 
+class _HeldLock:
+    """A model lock the test holds; `entered` tells that a request is waiting for it (it holds its turn)."""
+
+    def __init__(self):
+        self.inner, self.entered = threading.Lock(), threading.Event()
+
+    def __enter__(self):
+        self.entered.set()
+        self.inner.acquire()
+
+    def __exit__(self, *exc):
+        self.inner.release()
+
+
 class _HeldProvider:
     """Wraps a provider with a lock the test holds, to keep one request running."""
 
     def __init__(self, inner):
-        self.inner, self.lock = inner, threading.Lock()
+        self.inner, self.lock = inner, _HeldLock()
 
     def models(self):
         return self.inner.models()
@@ -228,27 +242,20 @@ def test_busy_is_503_and_the_first_request_still_finishes(docs):
     c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
     body = dict(model="licence.kv", messages=[{"role": "user", "content": Q1}], max_tokens=MAX)
     results = []
+    provider.lock.inner.acquire()
     try:
-        provider.lock.acquire()
         first = threading.Thread(target=lambda: results.append(c.chat.completions.create(**body)))
         first.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # until the first request holds the model's turn
-            try:
-                c.chat.completions.create(**{**body, "max_tokens": 1})
-            except openai.InternalServerError as exc:
-                assert exc.status_code == 503 and exc.body["code"] == "busy" and exc.response.headers["retry-after"] == "1"
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("no 503 while the model was busy")
-        provider.lock.release()
-        first.join(60)
-        assert results and results[0].choices[0].message.content == _alone(docs, "licence.kv", Q1).answer
+        assert provider.lock.entered.wait(30), "the first request never took its turn"
+        with pytest.raises(openai.InternalServerError) as err:  # its turn is taken and no one may wait (max_queue=0)
+            c.chat.completions.create(**{**body, "max_tokens": 1})
+        assert err.value.status_code == 503 and err.value.body["code"] == "busy"
+        assert err.value.response.headers["retry-after"] == "1"
     finally:
-        if provider.lock.locked():
-            provider.lock.release()
-        srv.stop()
+        provider.lock.inner.release()
+    first.join(60)
+    srv.stop()
+    assert results and results[0].choices[0].message.content == _alone(docs, "licence.kv", Q1).answer
 
 
 def test_client_gone_mid_stream_stops_its_generation(server, client, docs):

@@ -24,9 +24,26 @@ def _nothing() -> None:
 
 @dataclass
 class Opened:
+    """A Session lent to one request: ask() takes the model's turn; release() gives the session back."""
+
     session: Any  # kvcli.engine.answer.Session
     lock: Any  # a lock (context manager) held while generating on the session's model
     release: Callable[[], None] = _nothing  # called once when the request is done with the session
+    asker: Callable[..., Any] | None = None  # a provider's own turn-taking ask (e.g. a warm Lease's)
+
+    def ask(self, question: str, options: Any, on_text: Any = None, *, history: Sequence[tuple[str, str]] = (),
+            cancelled: Callable[[], bool] = lambda: False):
+        """Session.ask under the model's turn; `Cancelled` if the asker left before its turn came."""
+        if self.asker is not None:
+            return self.asker(question, options, on_text, history=history, cancelled=cancelled)
+        with self.lock:
+            if cancelled():
+                raise Cancelled()
+            return self.session.ask(question, options, on_text, history=history)
+
+
+class Cancelled(Exception):
+    """The request went away before its turn: nothing was generated."""
 
 
 class Provider(Protocol):
@@ -116,3 +133,22 @@ class DocsProvider:
         if self._pool is None:
             self._pool = answer.ModelPool(**self._pool_args)
         return answer.Session(self._pool.for_cache(path), path)
+
+
+class WarmProvider:
+    """Caches under `folders`, answered from a warm server's LRU (serve/warm.py: `warm.session(path)`
+    lends a Lease with the model's FIFO turn), shared with the unix-socket clients."""
+
+    def __init__(self, warm: Any, folders: Sequence[str | os.PathLike]):
+        self.warm, self.folders = warm, [Path(f) for f in folders]
+
+    def models(self) -> list[tuple[str, dict[str, Any]]]:
+        return catalog_ids(self.folders)
+
+    def open(self, model_id: str) -> Opened | None:
+        path = resolve(self.folders, model_id)
+        if path is None:
+            return None
+        held = self.warm.session(path)
+        lease = held.__enter__()  # CacheError here: nothing is held
+        return Opened(session=lease.session, lock=lease.lock, release=lambda: held.__exit__(None, None, None), asker=lease.ask)

@@ -188,10 +188,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
 
         def work(on_text=None):
             try:
-                with opened.lock:
-                    if gone.is_set():
-                        raise _Abandoned()
-                    return session.ask(req.question, opts, on_text, history=req.history)
+                return opened.ask(req.question, opts, on_text, history=req.history, cancelled=gone.is_set)
             finally:
                 release()
 
