@@ -503,7 +503,7 @@ def _gather_questions(args: list[str], questions_file: Optional[str]) -> list[st
 
 @command
 def chat(
-    cache: Annotated[Path, typer.Option("--cache", "-c", help="Cache of the document to talk about.")],
+    cache: Annotated[str, typer.Option("--cache", "-c", help="Cache of the document to talk about: a folder or a URL.")],
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per answer.")] = 256,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 for greedy (default).")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling threshold (with --temperature).")] = 1.0,
@@ -532,8 +532,9 @@ def chat(
     earlier = _read_answer_json(follow_up) if follow_up else None
     opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop))
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
-    with out.status(f"loading {cache}"):
-        session = an.Session(loader.for_cache(cache), cache, convert_dtype=convert_dtype)
+    local = _local_cache(cache, out)
+    with out.status(f"loading {_shown(cache)}"):
+        session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
     for warning in session.warnings:
         out.warn(warning)
     talk = conversation.Chat(session, conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier else ())
@@ -541,7 +542,7 @@ def chat(
         if not line.strip():
             continue
         a = talk.ask(line, opts, on_text=None if json_out else out.write)
-        out.json_line(a.to_json()) if json_out else out.write("\n")
+        out.json_line({**a.to_json(), "cache": _shown(cache)}) if json_out else out.write("\n")
     return 0
 
 
