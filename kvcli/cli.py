@@ -329,6 +329,8 @@ def ask(
         fields = {"caches": [os.path.abspath(c) for c in cache], "questions": qs, "options": options, "model": _client_model(model),
                   "revision": revision, "device": device, "dtype": dtype, "convert_dtype": convert_dtype,
                   "trust_remote_code": trust_remote_code, "stream": not json_out}
+        if earlier is not None:
+            fields.update(follow_up=earlier, follow_up_name=str(follow_up))
 
         def answered(i: int, a: dict) -> None:
             if json_out:
@@ -516,12 +518,11 @@ def chat(
     dtype: Annotated[Optional[str], typer.Option(help="Compute dtype (default: the cache's).")] = None,
     convert_dtype: Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")] = False,
     trust_remote_code: TrustOpt = False,
+    server: ServerOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> int:
     """Talk about a cached document: one question per line (interactive or stdin); each follows the earlier ones."""
-    from .engine import answer as an, conversation
-
     out = Output(quiet=quiet)
     if top_p <= 0:
         raise UsageError("--top-p must be above 0")
@@ -530,7 +531,22 @@ def chat(
     if trust_remote_code and not model:
         raise UsageError("--trust-remote-code needs an explicit --model: a cache must not choose whose code runs")
     earlier = _read_answer_json(follow_up) if follow_up else None
-    opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop))
+    options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop)}
+    from .remote import is_url
+
+    if server is not False and not is_url(cache) and _server_answers(server):  # the conversation goes through the running server
+        fields = {"caches": [os.path.abspath(cache)], "options": options, "model": _client_model(model), "revision": revision,
+                  "device": device, "dtype": dtype, "convert_dtype": convert_dtype, "trust_remote_code": trust_remote_code,
+                  "stream": not json_out}
+        if earlier is not None:
+            fields.update(follow_up=earlier, follow_up_name=str(follow_up))
+        while (line := out.read_line("> ")) is not None:
+            if line.strip():
+                fields = _chat_served(out, fields, line, str(cache), model, json_out)
+        return 0
+    from .engine import answer as an, conversation
+
+    opts = an.GenerationOptions(**{**options, "stop": tuple(stop)})
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     local = _local_cache(cache, out)
     with out.status(f"loading {_shown(cache)}"):
@@ -539,11 +555,37 @@ def chat(
         out.warn(warning)
     talk = conversation.Chat(session, conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier else ())
     while (line := out.read_line("> ")) is not None:
-        if not line.strip():
-            continue
-        a = talk.ask(line, opts, on_text=None if json_out else out.write)
-        out.json_line({**a.to_json(), "cache": _shown(cache)}) if json_out else out.write("\n")
+        if line.strip():
+            a = talk.ask(line, opts, on_text=None if json_out else out.write)
+            out.json_line({**a.to_json(), "cache": _shown(cache), "served": False}) if json_out else out.write("\n")
     return 0
+
+
+def _server_answers(require: Optional[bool]) -> bool:
+    from .serve import client
+
+    where = client.socket_path()
+    if client.ping(where):
+        return True
+    if require:
+        raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")
+    return False
+
+
+def _chat_served(out: Output, fields: dict, question: str, cache: str, model: Optional[str], json_out: bool) -> dict:
+    """One turn of a served chat; returns the fields of the next turn (the conversation so far as history)."""
+    got: list[dict] = []
+
+    def answered(_i: int, a: dict) -> None:
+        got.append(a)
+        out.json_line({**a, "cache": cache, "served": True}) if json_out else out.write("\n")
+
+    code = _served(out, True, "ask", {**fields, "questions": [question]}, [cache, model], answered=answered)
+    if code or not got:
+        raise typer.Exit(code or 1)
+    a = got[0]
+    history = [[h["question"], h["answer"]] for h in a.get("history", [])] + [[a["question"], a["answer"]]]
+    return {k: v for k, v in fields.items() if not k.startswith("follow_up")} | {"history": history}
 
 
 @command
@@ -792,6 +834,9 @@ def serve(
     idle_timeout: Annotated[Optional[str], typer.Option(help="Exit after this long unused, e.g. 30s, 10m, 2h (default: never).", show_default=False)] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Run in the background: print its pid once it answers; log to $KVCLI_HOME/serve.log.")] = False,
     stop: Annotated[bool, typer.Option("--stop", help="Stop the server running on the socket.")] = False,
+    http_at: Annotated[Optional[str], typer.Option("--http", help="Also serve the caches under --docs as OpenAI-compatible models at HOST:PORT (needs kvcli[serve]).", show_default=False)] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="KVCLI_API_KEY", help="Bearer token HTTP clients must send; required unless HOST is loopback ($KVCLI_API_KEY).", show_default=False)] = None,
+    docs: Annotated[list[Path], typer.Option("--docs", help="Folder whose caches --http offers as models (repeatable; default: the current folder).")] = [],  # noqa: B006
     quiet: QuietOpt = False,
 ) -> int:
     """Keep models and restored caches warm on a unix socket; ask and prefill use it when it runs."""
@@ -801,6 +846,17 @@ def serve(
     path = client.socket_path(socket)
     size = units.parse_size(max_memory) if max_memory else None
     idle = units.parse_duration(idle_timeout) if idle_timeout else None
+    if http_at:
+        from .serve import http
+
+        host, port = http.parse_address(http_at)
+        http.check_bind(host, api_key)
+        docs = [d.resolve() for d in (docs or [Path(".")])]
+        for d in docs:
+            if not d.is_dir():
+                raise UsageError(f"--docs {d}: not a folder")
+    elif docs:
+        raise UsageError("--docs goes with --http HOST:PORT")
     if stop:
         pid = sv.stop_server(path)
         if pid is None:
@@ -809,7 +865,9 @@ def serve(
         return 0
     if detach:
         args = (["--max-memory", max_memory] if max_memory else []) + (["--idle-timeout", idle_timeout] if idle_timeout else [])
-        pid = sv.detach(path, args)
+        if http_at:
+            args += ["--http", http_at, *[a for d in docs for a in ("--docs", str(d))]]
+        pid = sv.detach(path, args, env={"KVCLI_API_KEY": api_key} if api_key else None)  # the key never on a command line
         out.write(f"{pid}\n")
         out.note(f"serving on {path} (log: {sv.log_path()})")
         return 0
@@ -818,7 +876,17 @@ def serve(
     server = sv.Server(path, Warm(size), idle_timeout=idle, log=out.note)
     with out.status("starting"):
         server.start()
-    server.serve_forever()
+    web = None
+    if http_at:
+        from .serve.docs import WarmProvider
+
+        web = http.start(host, port, provider=WarmProvider(server.warm, docs, on_use=server.touch), api_key=api_key)
+        out.note(f"OpenAI-compatible endpoint on {web.base_url} for the caches in {', '.join(map(str, docs))}")
+    try:
+        server.serve_forever()
+    finally:
+        if web is not None:
+            web.stop()
     return 0
 
 

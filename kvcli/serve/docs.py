@@ -139,8 +139,8 @@ class WarmProvider:
     """Caches under `folders`, answered from a warm server's LRU (serve/warm.py: `warm.session(path)`
     lends a Lease with the model's FIFO turn), shared with the unix-socket clients."""
 
-    def __init__(self, warm: Any, folders: Sequence[str | os.PathLike]):
-        self.warm, self.folders = warm, [Path(f) for f in folders]
+    def __init__(self, warm: Any, folders: Sequence[str | os.PathLike], *, on_use: Callable[[], None] = _nothing):
+        self.warm, self.folders, self.on_use = warm, [Path(f) for f in folders], on_use  # on_use: activity (idle timeout)
 
     def models(self) -> list[tuple[str, dict[str, Any]]]:
         return catalog_ids(self.folders)
@@ -149,6 +149,12 @@ class WarmProvider:
         path = resolve(self.folders, model_id)
         if path is None:
             return None
+        self.on_use()
         held = self.warm.session(path)
         lease = held.__enter__()  # CacheError here: nothing is held
-        return Opened(session=lease.session, lock=lease.lock, release=lambda: held.__exit__(None, None, None), asker=lease.ask)
+
+        def release() -> None:
+            held.__exit__(None, None, None)
+            self.on_use()
+
+        return Opened(session=lease.session, lock=lease.lock, release=release, asker=lease.ask)

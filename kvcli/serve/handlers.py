@@ -107,6 +107,19 @@ def _strings(req: dict[str, Any], name: str) -> list[str]:
     return value
 
 
+def _history(req: dict[str, Any], session: Any) -> list[tuple[str, str]]:
+    """The conversation the questions follow: `history` ([[question, answer], ...]) or `follow_up` (an
+    `ask --json` answer, checked against this cache as the in-process `ask --follow-up` does)."""
+    from ..engine import conversation
+
+    if req.get("follow_up") is not None:
+        return conversation.from_answer_json(req["follow_up"], session.token_ids, str(req.get("follow_up_name") or "--follow-up"))
+    history = req.get("history") or []
+    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 and all(isinstance(t, str) for t in h) for h in history):
+        raise protocol.ProtocolError("history must be a list of [question, answer] pairs")
+    return [(q, a) for q, a in history]
+
+
 def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     """Answer every question from every cache, as cli.ask does in-process; returns the exit code."""
     caches, questions = _strings(req, "caches"), _strings(req, "questions")
@@ -138,8 +151,9 @@ def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
         try:
             for warning in lease.warnings:
                 conn.send(protocol.event("warning", message=warning))
+            history = _history(req, lease.session)
             for q in questions:
-                answer = lease.ask(q, opts, on_text=on_text, cancelled=conn.cancelled)
+                answer = lease.ask(q, opts, on_text=on_text, cancelled=conn.cancelled, history=history)
                 conn.send(protocol.event("answer", index=index, answer=answer.to_json()))
         finally:
             held.__exit__(None, None, None)

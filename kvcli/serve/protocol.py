@@ -9,7 +9,9 @@ Requests (`op`); every reply starts with an `accepted` event:
   status   -> {"event": "done", "exit_code": 0, "status": {...}}   (what `kvcli ps` shows)
   stop     -> {"event": "done", "exit_code": 0, "pid"}, then the server shuts down
   ask      caches: [abs path], questions: [str], options: {max_new_tokens, temperature, top_p, seed,
-           stop}, model, revision, device, dtype, convert_dtype, trust_remote_code, stream: bool
+           stop}, model, revision, device, dtype, convert_dtype, trust_remote_code, stream: bool,
+           and optionally the conversation the questions follow: history: [[question, answer], ...],
+           or follow_up: an `ask --json` answer object (follow_up_name: its file, for messages)
   prefill  docs: [[abs doc path, abs cache path]], model, revision, device, dtype, system, framing,
            chunk_size, encoding, force, trust_remote_code
 

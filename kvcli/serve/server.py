@@ -122,6 +122,11 @@ class Server:
         if hard:
             self._hard.set()
 
+    def touch(self) -> None:
+        """Count activity from outside the socket (HTTP requests) against --idle-timeout."""
+        with self._mutex:
+            self._last_activity = time.monotonic()
+
     def status(self) -> dict[str, Any]:
         with self._mutex:
             active = len(self._active - {threading.current_thread()})  # not counting the one asking
@@ -241,14 +246,16 @@ def log_path() -> Path:
     return client.kvcli_home() / LOG_NAME
 
 
-def detach(path: Path, args: list[str], *, timeout: float = 300.0) -> int:
-    """Start `kvcli serve ARGS` in the background (its own session, output to the log); return its pid
-    once it answers on `path`. ServerError (with the log's last line) if it exits or does not answer."""
+def detach(path: Path, args: list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None) -> int:
+    """Start `kvcli serve ARGS` in the background (its own session, output to the log, `env` added to its
+    environment); return its pid once it answers on `path`. ServerError (with the log's last line) if it
+    exits or does not answer."""
     logfile = log_path()
     logfile.parent.mkdir(parents=True, exist_ok=True)
     with open(logfile, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvcli", "serve", "--socket", str(path), *args],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
+                                env={**os.environ, **env} if env else None)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         code = proc.poll()

@@ -101,12 +101,13 @@ class Lease:
         return self.session.warnings
 
     def ask(self, question: str, options: Any = None, on_text: Callable[[str], None] | None = None,
-            cancelled: Callable[[], bool] | None = None):
-        """Session.ask under the model's FIFO turn; Cancelled if the asker left before its turn."""
+            cancelled: Callable[[], bool] | None = None, history: Any = ()):
+        """Session.ask (after the conversation `history`, if any) under the model's FIFO turn; Cancelled if
+        the asker left before its turn."""
         with self.lock:
             if cancelled and cancelled():
                 raise Cancelled()
-            answer = self.session.ask(question, options, on_text=on_text)
+            answer = self.session.ask(question, options, on_text=on_text, history=history)
         self._warm._served(self._entry, self._model)
         return answer
 
