@@ -365,7 +365,7 @@ def ask(
         history = conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier is not None else []
         for q in qs:
             out.check_stdout()  # a reader that left (`| head -1`) cancels the questions still to come
-            room = session.answer_room(q)
+            room = session.answer_room(q, history)
             if room is not None and 0 < room < max_new_tokens:
                 out.warn(f"{_shown(path)}: only {room} positions are left after this question; the answer stops at {room} tokens, "
                          f"not --max-new-tokens {max_new_tokens}")
