@@ -12,6 +12,10 @@ and reports sizes (raw tensor bytes, on disk, naive) and the ratios between all 
 also answered in full (answer_tokens) with the cache and checked against a full recompute (engine/check.py):
 answers identical, first divergent positions, largest logit difference, near-tie margins.
 
+With kv_bits (8, 4) it also writes each length's cache quantized and reports, per format, size on
+disk, restore time and throughput of dequantized output, TTFT, and agreement with the lossless cache
+over the questions (engine/fidelity.py: teacher-forced top-1, mean KL, whole answers identical).
+
 Timings on a shared machine are noisy: compare the ratios measured within one run.
 """
 
@@ -41,6 +45,8 @@ DEFAULT_SIZES = (1024, 2048, 4096, 8192)
 RESTORE_REPEATS = 3
 ANSWER_TOKENS = 32  # tokens per answer compared with recompute
 DECODE_TOKENS = 64  # answer tokens generated to measure decode speed
+TTFT_QUESTIONS = 5  # TTFT (with and without the cache) is timed on the first questions; agreement uses all
+AGREEMENT_TOKENS = 64  # new tokens per reference answer when measuring a quantized format's agreement
 QUESTIONS = (
     "What is this document about, in one sentence?",
     "Who or what does the document name first?",
@@ -74,9 +80,15 @@ def run(
     transform: str = pf.DEFAULT_TRANSFORM,
     level: int = pf.DEFAULT_LEVEL,
     workdir: str | os.PathLike | None = None,
+    kv_bits: list[int] | tuple[int, ...] = (),
+    question_list: list[str] | None = None,
+    agreement_tokens: int = AGREEMENT_TOKENS,
     answer_tokens: int = ANSWER_TOKENS,
 ) -> dict[str, Any]:
-    """Measure every length in `tokens` (default: default_sizes); a JSON-able dict of seconds, bytes and ratios."""
+    """Measure every length in `tokens` (default: default_sizes); a JSON-able dict of seconds, bytes and ratios.
+
+    `questions` of `question_list` (default: generic ones) are used, cycled; with kv_bits each quantized
+    format is compared with the lossless cache (answers of up to `agreement_tokens` tokens)."""
     import torch
 
     note = progress or (lambda _msg: None)
@@ -90,9 +102,15 @@ def run(
                              f"the model's limit of {limit} positions")
     if questions < 1:
         raise UsageError("--questions must be at least 1")
-    if answer_tokens < 1:
-        raise UsageError("--answer-tokens must be at least 1")
-    qs = [QUESTIONS[i % len(QUESTIONS)] for i in range(questions)]
+    for bits in kv_bits:
+        if bits not in (8, 4):
+            raise UsageError(f"--kv-bits must be 8 or 4, got {bits}")
+    if answer_tokens < 1 or agreement_tokens < 1:
+        raise UsageError("--answer-tokens and --agreement-tokens must be at least 1")
+    pool = list(question_list or QUESTIONS)
+    if not pool:
+        raise UsageError("no questions to measure with")
+    qs = [pool[i % len(pool)] for i in range(questions)]
     frame = fr.choose(lm.tokenizer, "auto", None)
     result: dict[str, Any] = {
         "kvcli_version": __version__,
@@ -107,6 +125,8 @@ def run(
         "level": level,
         "document": document.record(),
         "questions": qs,
+        "kv_bits": list(kv_bits),
+        "agreement_tokens": agreement_tokens,
         "answer_tokens": answer_tokens,
         "sizes": [],
     }
@@ -115,7 +135,13 @@ def run(
         for n in sizes:
             doc = _document_of(lm, frame, document, n)
             note(f"bench: {n:,} tokens")
-            row = _measure(lm, doc, frame, Path(tmp) / f"doc-{n}.kv", qs, chunk_size, transform, level, note, answer_tokens)
+            path = Path(tmp) / f"doc-{n}.kv"
+            row = _measure(lm, doc, frame, path, qs[:TTFT_QUESTIONS], chunk_size, transform, level, note, answer_tokens)
+            if kv_bits:
+                from . import bench_formats
+
+                row["formats"] = bench_formats.measure(lm, doc, path, qs, kv_bits, chunk_size=chunk_size, level=level,
+                                                       answer_tokens=agreement_tokens, note=note)
             result["sizes"].append(row)
     return result
 
@@ -329,4 +355,9 @@ def render(result: dict[str, Any]):
     ]
     for label, cell in rows:
         table.add_row(label, *(cell(r, r["ratios"]) for r in sizes))
+    if any(r.get("formats") for r in sizes):
+        from .bench_formats import render_rows
+
+        for label, cells in render_rows(sizes):
+            table.add_row(label, *cells)
     return table

@@ -134,6 +134,7 @@ def prefill(
     device: DeviceOpt = "auto",
     encoding: EncodingOpt = "utf-8",
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing cache.")] = False,
+    kv_bits: Annotated[Optional[int], typer.Option("--kv-bits", help="Store keys/values quantized to 8 or 4 bits (lossy, smaller; default: lossless).", show_default=False)] = None,
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
@@ -146,16 +147,21 @@ def prefill(
     out = Output(quiet=quiet)
     docs = docs or []
     documents.check_encoding(encoding)
+    if kv_bits is not None and kv_bits not in (8, 4):
+        raise UsageError(f"--kv-bits must be 8 or 4, got {kv_bits}")
     if shard is not None and from_list is None:
         raise UsageError("--shard needs --from-list")
     if from_list is not None or is_url(output) or any(is_url(d) for d in docs):
+        if kv_bits is not None:
+            raise UsageError("--kv-bits does not work with --from-list or URLs yet")
         return _prefill_corpus(out, docs, from_list, shard, output, model=model, revision=revision, system=system, framing=framing,
                                chunk_size=chunk_size, dtype=dtype, device=device, encoding=encoding, force=force,
                                trust_remote_code=trust_remote_code, json_out=json_out)
     if not docs:
         raise UsageError("no document given (DOC ..., or --from-list FILE)")
     targets, folder = _prefill_targets(docs, Path(output) if output is not None else None)
-    if server is not False and "-" not in docs:  # a document on stdin is always prefilled in-process
+    # a document on stdin, or a quantized cache (the server writes lossless ones), is prefilled in-process
+    if server is not False and "-" not in docs and kv_bits is None:
         fields = {"docs": [[os.path.abspath(d), os.path.abspath(t)] for d, t in targets], "model": _client_model(model or os.environ.get("KVCLI_MODEL")),
                   "revision": revision, "system": system, "framing": framing, "chunk_size": chunk_size, "dtype": dtype, "device": device,
                   "encoding": encoding, "force": force, "trust_remote_code": trust_remote_code}
@@ -191,13 +197,14 @@ def prefill(
         try:
             with out.progress(f"prefill {doc}", overall=overall) as update:
                 r = pf.prefill(lm, document, target, system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK,
-                               force=force, progress=update)
+                               force=force, progress=update, kv_bits=kv_bits)
         except KvcliError as exc:
             report(exc)
             continue
         m = r.manifest
         _prefilled(out, doc, target, {"num_tokens": m.num_tokens, "compute_s": r.compute_s, "write_s": r.write_s,
-                                      "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored}, json_out, False)
+                                      "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored, "storage": m.storage},
+                   json_out, False)
     if failed:
         out.error(f"{len(failed)} of {len(targets)} documents failed")
         return 1
@@ -243,11 +250,12 @@ def _prefilled(out: Output, doc: str, target: Path, r: dict, json_out: bool, ser
     """Report one finished prefill (in-process or served: the same lines)."""
     if json_out:
         out.json_line({"document": str(doc), "cache": str(target), "num_tokens": r["num_tokens"], "compute_s": round(r["compute_s"], 4),
-                       "write_s": round(r["write_s"], 4), "bytes_raw": r["bytes_raw"], "bytes_on_disk": r["bytes_on_disk"], "served": served})
+                       "write_s": round(r["write_s"], 4), "bytes_raw": r["bytes_raw"], "bytes_on_disk": r["bytes_on_disk"], "served": served,
+                       "storage": r.get("storage", "lossless")})
     out.note(
         f"{target}: {r['num_tokens']:,} tokens in {r['compute_s'] + r['write_s']:.1f} s "
         f"({r['num_tokens'] / max(r['compute_s'], 1e-9):,.0f} tok/s), {human_bytes(r['bytes_on_disk'])} on disk "
-        f"({r['bytes_on_disk'] / r['bytes_raw']:.0%} of {human_bytes(r['bytes_raw'])} raw)"
+        f"({r['bytes_on_disk'] / r['bytes_raw']:.0%} of {human_bytes(r['bytes_raw'])} raw, {r.get('storage', 'lossless')})"
     )
 
 
@@ -623,6 +631,7 @@ def info(
     head.add_row("built with", Text(f"torch {prov.get('torch_version')}, {prov.get('device_type')}, attention "
                                     f"{prov.get('attn_implementation')}, transformers {s['transformers_version']}" if prov
                                     else f"transformers {s['transformers_version']} (torch, device, attention not recorded)"))
+    head.add_row("storage", Text(catalog.describe_storage(m)))
     out.table(head)
     table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")
     for row in catalog.layer_rows(m):
@@ -649,9 +658,10 @@ def verify(
             out.json_line({"cache": _shown(path), "ok": False, "error": str(exc)}) if json_out else out.error(exc)
             continue
         if json_out:
-            out.json_line({"cache": _shown(path), "ok": True, "num_tokens": m.num_tokens, "num_layers": len(m.layers)})
+            out.json_line({"cache": _shown(path), "ok": True, "num_tokens": m.num_tokens, "num_layers": len(m.layers),
+                           "storage": m.storage})
         else:
-            out.note(f"{_shown(path)}: ok ({len(m.layers)} layers, {m.num_tokens:,} tokens)")
+            out.note(f"{_shown(path)}: ok ({len(m.layers)} layers, {m.num_tokens:,} tokens, {m.storage})")
     return worst
 
 
@@ -697,12 +707,13 @@ def ls(
         return 0
     if not rows:
         return 0
-    table = Table("cache", "document", "tokens", "model", "on disk", "ratio", "age", title=Text(str(folder)))
+    table = Table("cache", "document", "tokens", "model", "storage", "on disk", "ratio", "age", title=Text(str(folder)))
     for r in rows:
         if "error" in r:
-            table.add_row(Text(Path(r["path"]).name), "-", "-", Text(r["error"], style="red"), "-", "-", "-")
+            table.add_row(Text(Path(r["path"]).name), "-", "-", Text(r["error"], style="red"), "-", "-", "-", "-")
             continue
         table.add_row(Text(Path(r["path"]).name), Text(str(r["document"].get("name"))), f"{r['num_tokens']:,}", Text(str(r["model"])),
+                      r.get("storage", "-"),
                       human_bytes(r["bytes_on_disk"]), f"{r['ratio']:.1%}", _age(r["age_s"]))
     out.table(table)
     return 0
@@ -804,6 +815,9 @@ def bench(
     tokens: Annotated[list[int], typer.Option("--tokens", "-n", metavar="N", show_default=False, help="Document lengths in tokens (repeatable; default: 1k, 2k, 4k, 8k within the model's limit).")] = [],  # noqa: B006
     questions: Annotated[int, typer.Option(min=1, metavar="N", help="Questions timed per length.")] = 3,
     answer_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Tokens per whole answer compared with a full recompute.")] = 32,
+    questions_file: Annotated[list[Path], typer.Option("--questions-file", "-f", metavar="FILE", help="Questions to use, one per line (repeatable; default: generic ones).")] = [],  # noqa: B006
+    kv_bits: Annotated[list[int], typer.Option("--kv-bits", metavar="BITS", help="Also measure this quantized format against the lossless cache (8 or 4; repeatable).")] = [],  # noqa: B006
+    agreement_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="New tokens per answer when measuring a quantized format's agreement.")] = 64,
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     device: DeviceOpt = "auto",
@@ -817,9 +831,15 @@ def bench(
 
     out = Output(quiet=quiet)
     document = documents.read(doc)
+    pool = []
+    for f in questions_file:
+        pool += _gather_questions([], str(f))
+    if any(b not in (8, 4) for b in kv_bits):
+        raise UsageError(f"--kv-bits must be 8 or 4, got {kv_bits}")
     with out.status("loading model"):
         lm = models.load(model, revision=revision, device=device, dtype=dtype, progress=out.note)
-    result = bn.run(lm, document, tokens=tokens or None, questions=questions, progress=out.note, answer_tokens=answer_tokens)
+    result = bn.run(lm, document, tokens=tokens or None, questions=questions, progress=out.note, answer_tokens=answer_tokens,
+                    kv_bits=kv_bits, question_list=pool or None, agreement_tokens=agreement_tokens)
     if json_out:
         out.json_doc(result)
     else:

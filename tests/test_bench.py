@@ -51,3 +51,30 @@ def test_default_sizes_stop_at_the_model_limit(tiny_lm):
     assert bench.default_sizes(Capped()) == [1024, 2048 - bench.pf.ANSWER_ROOM]
     Capped.max_positions = None
     assert bench.default_sizes(Capped()) == [1024, 2048, 4096, 8192]
+
+
+def test_bench_kv_bits_reports_size_restore_ttft_and_agreement_per_format(tiny_lm, tmp_path):
+    doc = decode(sample_text()[:800].encode(), "doc.txt")
+    qs = ["Who is the licensor?", "What is granted?", "Is there a warranty?"]
+    result = bench.run(tiny_lm, doc, tokens=[96], questions=3, chunk_size=32, workdir=tmp_path, kv_bits=[8, 4],
+                       question_list=qs, answer_tokens=6)
+    json.dumps(result)
+    assert result["kv_bits"] == [8, 4] and result["questions"] == qs
+    formats = result["sizes"][0]["formats"]
+    assert list(formats) == ["lossless", "8-bit", "4-bit"]
+    lossless = formats["lossless"]["agreement"]
+    assert lossless["top1_vs_lossless"] == 1.0 and lossless["kl_mean"] < 1e-9 and lossless["questions"] == 3
+    for name in ("8-bit", "4-bit"):
+        f = formats[name]
+        assert f["quant"]["bits"] == int(name[0]) and f["bytes_on_disk"] < formats["lossless"]["bytes_on_disk"]
+        assert f["restore_s"] > 0 and f["restore_gb_per_s"] > 0 and f["ttft_cached_s"] > 0
+        a = f["agreement"]
+        assert 0 < a["answer_tokens"] <= 18 and 0 <= a["top1"] <= 1 and a["kl_mean"] >= 0 and 0 <= a["answers_identical"] <= 1
+    assert formats["8-bit"]["disk_over_raw"] < formats["lossless"]["disk_over_raw"]
+    assert list(tmp_path.iterdir()) == []
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(bench.render(result))
+    text = console.export_text()
+    assert "8-bit: on disk" in text and "top-1 (teacher-forced)" in text and "same whole answers" in text

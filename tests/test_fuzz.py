@@ -92,13 +92,12 @@ def crafted_shards(stored: bytes, raw_bytes: int) -> list[tuple[str, bytes, int 
 
     payload = zstandard.ZstdDecompressor().decompress(stored)
     header, body = split_payload(payload)
-    keys, values = header["keys"], header["values"]
-    nk = keys["data_offsets"][1]
+    data_bytes = len(body)  # the tensors' bytes: raw_bytes for a lossless shard, the quantized layout's otherwise
     out: list[tuple[str, bytes, int | None]] = []
 
     def add(label: str, new_payload: bytes, *, declare: bool = True, record: bool = True) -> None:
         size = len(new_payload)
-        fits = raw_bytes < size <= raw_bytes + 8 + 64 * 1024
+        fits = data_bytes < size <= data_bytes + 8 + 64 * 1024
         out.append((label, zstd(new_payload, declare=declare), size if record and fits else None))
 
     def with_header(label: str, edit, data: bytes = body) -> None:
@@ -123,6 +122,11 @@ def crafted_shards(stored: bytes, raw_bytes: int) -> list[tuple[str, bytes, int 
     out.append(("not zstd: raw safetensors", payload, None))
     out.append(("not zstd: gzip", __import__("gzip").compress(payload), None))
     out.append(("not zstd: 3 bytes", b"\x28\xb5\x2f", None))
+    if "keys.codes" in header:
+        _quant_lies(header, body, with_header, add)
+        return out
+    keys, values = header["keys"], header["values"]
+    nk = keys["data_offsets"][1]
     # safetensors header lies
     with_header("keys dtype F32 (byteplane wants U8)", lambda h: h["keys"].update(dtype="F32"))
     with_header("values dtype F16", lambda h: h["values"].update(dtype="F16"))
@@ -160,6 +164,38 @@ def crafted_shards(stored: bytes, raw_bytes: int) -> list[tuple[str, bytes, int 
     add("header with a 5000-digit number", join_payload(b'{"n": ' + b"7" * 5000 + b"}", body))
     add("header NaN offsets", join_payload(json.dumps({**header, "keys": {**keys, "data_offsets": [float("nan"), nk]}}).encode(), body))
     return out
+
+
+def _quant_lies(header: dict, body: bytes, with_header, add) -> None:
+    """Header and content lies for a quantized shard (keys.exact/codes/scale/min, then values.*)."""
+    codes = header["keys.codes"]
+    nc = codes["data_offsets"]
+    with_header("keys.codes dtype F32", lambda h: h["keys.codes"].update(dtype="F32"))
+    with_header("keys.codes shape +1", lambda h: h["keys.codes"].update(shape=[h["keys.codes"]["shape"][0] + 1]))
+    with_header("keys.codes shape 2-d", lambda h: h["keys.codes"].update(shape=[1, *h["keys.codes"]["shape"]]))
+    with_header("keys.codes shape huge", lambda h: h["keys.codes"].update(shape=[1 << 40]))
+    with_header("keys.codes offsets short", lambda h: h["keys.codes"].update(data_offsets=[nc[0], nc[1] - 1]))
+    with_header("keys.codes offsets huge", lambda h: h["keys.codes"].update(data_offsets=[nc[0], 1 << 62]))
+    with_header("keys.scale dtype F32 (F16 recorded)", lambda h: h["keys.scale"].update(dtype="F32"))
+    with_header("values.min dtype BF16", lambda h: h["values.min"].update(dtype="BF16"))
+    with_header("keys.scale shape +1", lambda h: h["keys.scale"].update(shape=[*h["keys.scale"]["shape"][:3], h["keys.scale"]["shape"][3] + 1]))
+    with_header("keys.exact one more token", lambda h: h["keys.exact"].update(shape=[1, h["keys.exact"]["shape"][1], h["keys.exact"]["shape"][2] + 1, h["keys.exact"]["shape"][3]]))
+    with_header("scale and min swapped", lambda h: h.update({"keys.scale": h["keys.min"], "keys.min": h["keys.scale"]}))
+    with_header("keys and values parts swapped", lambda h: h.update({"keys.codes": h["values.codes"], "values.codes": h["keys.codes"]}))
+    with_header("kv_bits 8 in a 4-bit shard", lambda h: h["__metadata__"].update(kv_bits="8"))
+    with_header("kv_bits missing", lambda h: h["__metadata__"].pop("kv_bits"))
+    with_header("kv_bits an int", lambda h: h["__metadata__"].update(kv_bits=4))
+    with_header("transform byteplane in shard", lambda h: h["__metadata__"].update(transform="byteplane"))
+    with_header("extra tensor keys.zero", lambda h: h.update({"keys.zero": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}}))
+    with_header("values.min missing", lambda h: h.pop("values.min"))
+    with_header("plain keys instead of parts", lambda h: h.update(keys=h.pop("keys.codes")))
+    for part in ("keys.scale", "values.min"):  # non-finite scales or minimums: the sha256 matches, the values do not
+        begin, end = header[part]["data_offsets"]
+        for label, fill in (("NaN", b"\xff\x7f"), ("inf", b"\x00\x7c")):
+            junk = body[:begin] + fill * ((end - begin) // 2) + body[end:]
+            with_header(f"{part} all {label}", lambda h: None, junk)
+        junk = body[:begin] + b"\x00\xfc" + body[begin + 2 :]  # one -inf among finite values
+        with_header(f"{part} one -inf", lambda h: None, junk)
 
 
 def kind_of(value) -> str:
@@ -207,6 +243,11 @@ FIELDS: list[tuple[tuple, set[str]]] = [
         ("stored_bytes", {"int"}), ("sha256", {"str"}),
     )
 ] + [(("layers", 0, "key_shape", d), {"int"}) for d in range(4)] + [(("layers", 0, "value_shape", 3), {"int"})]
+QUANT_FIELDS: list[tuple[tuple, set[str]]] = [
+    (("compression", "quant"), {"dict"}), (("compression", "quant", "bits"), {"int"}), (("compression", "quant", "group_size"), {"int"}),
+    (("compression", "quant", "exact_tokens"), {"int"}), (("compression", "quant", "scale_dtype"), {"str"}),
+    (("compression", "quant", "keys"), {"str"}), (("compression", "quant", "values"), {"str"}),
+]
 # never valid for a field of the kinds listed: a str "1" is fine for a str field, None for an optional one
 CONFUSION = ["1", 1.5, True, False, None, [1], [[1, [2, [3]]]], {"a": 1}, float("nan"), float("-inf"), 10**30, -1]
 OPTIONAL_DELETABLE = {("model", "max_positions"), ("model", "chat_template_sha256"), ("model", "name"), ("model", "source", "name"),
@@ -552,6 +593,43 @@ def catalogue(ctx) -> list[tuple[str, str, object]]:
     return cases
 
 
+def quant_catalogue(ctx) -> list[tuple[str, str, object]]:
+    """The cases for a quantized (4-bit) cache: its own fields, schemes and payload layout, plus damage."""
+    body0 = ctx["body"]
+    files = [layer["file"] for layer in body0["layers"]]
+    cases: list[tuple[str, str, object]] = []
+    add = lambda label, expect, fn: cases.append((label, expect, fn))  # noqa: E731
+    rng = random.Random(SEED + 3)
+    for f in files:
+        for k in range(3):
+            pos = [(rng.randrange(ctx["shard_lens"][files.index(f)]), rng.randrange(8))]
+            add(f"{f} bit flips {pos}", "bad", _file_bytes(f, _flip(pos)))
+        add(f"{f} truncated by one byte", "bad", _file_bytes(f, lambda d: d[:-1]))
+    for path, kinds in QUANT_FIELDS:
+        for value in confusion_values(path, kinds):
+            add(f"type confusion {path} = {value!r}", "bad", _recompute(lambda b, p=path, v=value: set_at(b, p, v)))
+        add(f"missing {path}", "bad", _recompute(lambda b, p=path: del_at(b, p)))
+        add(f"plain edit {path}", "bad", _plain(lambda b, p=path: set_at(b, p, ["edited", get_at(b, p)])))
+    for key, values in (("bits", (8, 3, 2, 16, 0)), ("group_size", (32, 128, 1, 0, 1 << 17)), ("exact_tokens", (0, 3, 5, 1 << 30)),
+                        ("scale_dtype", ("float32", "bfloat16", "float64")), ("keys", ("per_token", "")), ("values", ("per_channel",))):
+        for v in values:
+            add(f"quant {key} = {v!r}", "bad", _recompute(lambda b, k=key, v=v: b["compression"]["quant"].update({k: v})))
+    add("quant block with an extra field", "bad", _recompute(lambda b: b["compression"]["quant"].update(zero_point=True)))
+    add("format version 1 with a quant block", "bad", _recompute(lambda b: b.update(format_version=1)))
+    add("format version 1, quant block dropped", "bad", _recompute(lambda b: b.update(format_version=1) or b["compression"].pop("quant")))
+    add("format version 3", "bad", _recompute(lambda b: b.update(format_version=3)))
+    add("transform byteplane", "bad", _recompute(lambda b: b["compression"].update(transform="byteplane")))
+    add("decoded_bytes at raw_bytes", "bad", _recompute(lambda b: b["layers"][0].update(decoded_bytes=b["layers"][0]["raw_bytes"])))
+    add("decoded_bytes 1 MiB above", "bad", _recompute(lambda b: b["layers"][0].update(decoded_bytes=b["layers"][0]["decoded_bytes"] + (1 << 20))))
+    add("raw_bytes + 4", "bad", _recompute(lambda b: b["layers"][0].update(raw_bytes=b["layers"][0]["raw_bytes"] + 4)))
+    for label in ctx["crafted"][0]:
+        add(f"crafted shard 0: {label}", "bad", _crafted_shard(0, label))
+    add("model weights_sha256 of another model", "model", _recompute(lambda b: b["model"].update(weights_sha256="ab" * 32)))
+    add("document renamed", "ok", _recompute(lambda b: b["document"].update(name="other.txt")))
+    add("shard header padded (valid)", "ok", _padded_header_shard)
+    return cases
+
+
 def random_junk(rng: random.Random, depth: int = 0):
     choice = rng.randrange(9 if depth < 3 else 6)
     if choice == 0:
@@ -594,7 +672,7 @@ def random_case(rng: random.Random, ctx) -> tuple[str, str, object]:
         expect = "bad-unless-same" if f == "manifest.json" else "bad"
         return f"{f} resized by {cut}", expect, _file_bytes(f, lambda d: d[:cut] if cut < 0 else d + junk)
     if kind == 3:  # a random value of a wrong kind or range in a known field, checksum recomputed
-        path, kinds = rng.choice(FIELDS)
+        path, kinds = rng.choice(FIELDS + (QUANT_FIELDS if "quant" in ctx["body"]["compression"] else []))
         for _ in range(20):
             value = random_junk(rng)
             k = kind_of(value)
@@ -678,7 +756,7 @@ def _worker(cfg: dict) -> int:
     for index in (0, -1):
         layer = ctx["body"]["layers"][index]
         ctx["crafted"][index] = {label: (data, dec) for label, data, dec in crafted_shards((pristine / layer["file"]).read_bytes(), layer["raw_bytes"])}
-    cases = catalogue(ctx)
+    cases = quant_catalogue(ctx) if cfg.get("quant") else catalogue(ctx)
 
     # From here on: bounded address space, and every write-like operation and unpickling is recorded.
     violations: list[str] = []
@@ -798,6 +876,20 @@ def pristine(tmp_path_factory, tiny_model_dir):
     return cache
 
 
+@pytest.fixture(scope="module")
+def pristine_q(pristine, tiny_model_dir, tmp_path_factory):
+    """The same document stored 4-bit (the quantized layout: exact tokens, packed codes, float16 scales)."""
+    from typer.testing import CliRunner
+
+    from kvcli.cli import app
+
+    cache = tmp_path_factory.mktemp("fuzz-pristine-q4") / "pristine-q4.kv"
+    r = CliRunner().invoke(app, ["prefill", str(pristine.parent / "doc.txt"), "-o", str(cache), "--model", str(tiny_model_dir),
+                                 "--kv-bits", "4"])
+    assert r.exit_code == 0, r.stderr
+    return cache
+
+
 def _check(record: dict, reference: str) -> str | None:
     """None if the outcome is allowed, else why not."""
     if "mutate_error" in record:
@@ -829,14 +921,14 @@ def _check(record: dict, reference: str) -> str | None:
     return None
 
 
-def test_fuzz_damaged_and_crafted_caches(pristine, tiny_model_dir, tmp_path):
-    scratch = tmp_path / "scratch"
+def _run_worker(scratch: Path, pristine: Path, model: Path, seconds: float, quant: bool = False) -> list[dict]:
+    """Run the fuzz worker in its own process; the results, after checking every one and the limits."""
     scratch.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCLI_", "HF_", "TRANSFORMERS_"))}
     env.update(HOME=str(scratch / "home"), KVCLI_HOME=str(scratch / "kvcli-home"), TMPDIR=str(scratch), HF_HOME=str(scratch / "hf"),
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO),
-               KVCLI_FUZZ_SEED=str(SEED), KVCLI_FUZZ_SECONDS=str(RANDOM_SECONDS))
-    cfg = {"scratch": str(scratch), "pristine": str(pristine), "model": str(tiny_model_dir)}
+               KVCLI_FUZZ_SEED=str(SEED), KVCLI_FUZZ_SECONDS=str(seconds))
+    cfg = {"scratch": str(scratch), "pristine": str(pristine), "model": str(model), "quant": quant}
     proc = subprocess.run([sys.executable, __file__, json.dumps(cfg)], cwd=scratch, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((scratch / "results.json").read_text())
@@ -847,6 +939,11 @@ def test_fuzz_damaged_and_crafted_caches(pristine, tiny_model_dir, tmp_path):
     assert not failures, "\n".join(f"#{n} {label}: {why}" for n, label, why in failures[:40])
     assert not summary["violations"], summary["violations"]
     assert summary["rss_after"] - summary["rss_before"] < RSS_GROWTH_LIMIT
+    return results
+
+
+def test_fuzz_damaged_and_crafted_caches(pristine, tiny_model_dir, tmp_path):
+    results = _run_worker(tmp_path / "scratch", pristine, tiny_model_dir, RANDOM_SECONDS)
     expects = [r["expect"] for r in results]
     assert expects.count("bad") > 300 and expects.count("model") >= 8 and expects.count("ok") >= 5
     labels = " ".join(r["label"] for r in results)
@@ -856,12 +953,24 @@ def test_fuzz_damaged_and_crafted_caches(pristine, tiny_model_dir, tmp_path):
     assert sorted(p.name for p in pristine.parent.iterdir()) == ["doc.txt", "pristine.kv"]
 
 
-@pytest.fixture(scope="module")
-def shard0(pristine):
+def test_fuzz_quantized_caches(pristine_q, tiny_model_dir, tmp_path):
+    """The same worker on a 4-bit cache: its quantization fields and schemes, crafted payloads for its
+    layout (lying headers, non-finite scales, bombs) and damage; a short random round after them."""
+    results = _run_worker(tmp_path / "scratch", pristine_q, tiny_model_dir, min(RANDOM_SECONDS, 3.0), quant=True)
+    expects = [r["expect"] for r in results]
+    assert expects.count("bad") > 100 and "model" in expects and expects.count("ok") >= 2
+    labels = " ".join(r["label"] for r in results)
+    for needle in ("quant bits", "keys.codes", "NaN", "bomb", "format version 1", "random"):
+        assert needle in labels, needle
+
+
+@pytest.fixture(scope="module", params=["lossless", "4-bit"])
+def shard0(request, pristine, pristine_q):
     from kvcli.format import store
 
-    m = store.read_manifest(pristine)
-    return m, (pristine / m.layers[0].file).read_bytes()
+    cache = pristine if request.param == "lossless" else pristine_q
+    m = store.read_manifest(cache)
+    return m, (cache / m.layers[0].file).read_bytes()
 
 
 @pytest.mark.parametrize("checker", ["codec.decode_layer", "store.check_payload"])
@@ -875,7 +984,8 @@ def test_decoders_refuse_every_crafted_payload(shard0, checker):
     entry = m.layers[0]
 
     def check(data, decoded):
-        kwargs = dict(transform=m.transform, key_shape=entry.key_shape, value_shape=entry.value_shape, decoded_bytes=decoded)
+        kwargs = dict(transform=m.transform, key_shape=entry.key_shape, value_shape=entry.value_shape, decoded_bytes=decoded,
+                      quant=m.quant)
         if checker == "codec.decode_layer":
             return codec.decode_layer(data, name="SHARD", dtype=codec.DTYPES[m.dtype], **kwargs)
         return store.check_payload(data, where="SHARD", dtype=m.dtype, **kwargs)
@@ -892,19 +1002,21 @@ def test_decoders_refuse_every_crafted_payload(shard0, checker):
     check(stored, entry.decoded_bytes)  # and the pristine shard passes
 
 
-def test_manifest_parse_never_raises_anything_but_cache_errors(pristine):
+@pytest.mark.parametrize("quantized", [False, True], ids=["lossless", "4-bit"])
+def test_manifest_parse_never_raises_anything_but_cache_errors(pristine, pristine_q, quantized):
     """manifest.parse alone on thousands of seeded random edits (fast, in process)."""
     from kvcli.format import manifest as mf
     from kvcli.errors import CacheError
 
-    raw = (pristine / "manifest.json").read_bytes()
+    raw = ((pristine_q if quantized else pristine) / "manifest.json").read_bytes()
     body = json.loads(raw)
+    fields = FIELDS + (QUANT_FIELDS if quantized else [])
     rng = random.Random(SEED + 2)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + (2.5 if quantized else 5)
     count = 0
     while time.monotonic() < deadline and count < 3000:
         b = copy.deepcopy(body)
-        path, kinds = rng.choice(FIELDS)
+        path, kinds = rng.choice(fields)
         try:
             set_at(b, path, random_junk(rng))
         except (IndexError, KeyError, TypeError):
@@ -923,29 +1035,39 @@ def test_manifest_parse_never_raises_anything_but_cache_errors(pristine):
 
 
 def make_long_cache(pristine: Path, dst: Path, tokens: int, max_positions: int) -> None:
-    """A self-consistent cache claiming `tokens` tokens: valid headers, all-zero tensors, a tiny zstd bomb per layer."""
+    """A self-consistent cache claiming `tokens` tokens: valid headers, all-zero tensors, a tiny zstd bomb per layer.
+
+    A quantized pristine becomes an 8-bit cache with groups of one (a scale and a minimum per value:
+    payloads larger than raw, every scale streamed through verify's finiteness check)."""
     import io
 
     import zstandard
 
-    from kvcli.format import manifest as mf
+    from kvcli.format import manifest as mf, payload
 
     shutil.copytree(pristine, dst)
     body = load_body(dst)
     _resize_tokens(body, tokens, max_positions=max_positions)
+    quant = body["compression"].get("quant")
+    if quant:
+        quant.update(bits=8, group_size=1)
     for layer in body["layers"]:
-        sizes = [4 * s[0] * s[1] * s[2] * s[3] for s in (layer["key_shape"], layer["value_shape"])]
-        numel = [n // 4 for n in sizes]
-        header = {"__metadata__": {"transform": body["compression"]["transform"], "dtype": body["model"]["dtype"]},
-                  "keys": {"dtype": "U8", "shape": [4, numel[0]], "data_offsets": [0, sizes[0]]},
-                  "values": {"dtype": "U8", "shape": [4, numel[1]], "data_offsets": [sizes[0], sizes[0] + sizes[1]]}}
+        meta = {"transform": body["compression"]["transform"], "dtype": body["model"]["dtype"]}
+        if quant:
+            meta["kv_bits"] = "8"
+        entries = payload.layout(body["model"]["dtype"], layer["key_shape"], layer["value_shape"],
+                                 transform=body["compression"]["transform"], quant=quant)
+        header, offset = {"__metadata__": meta}, 0
+        for e in entries:
+            header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+            offset += e.nbytes
         head = json.dumps(header, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 8)
-        total = 8 + len(head) + sum(sizes)
+        total = 8 + len(head) + offset
         out = io.BytesIO()
         with zstandard.ZstdCompressor(level=1).stream_writer(out, size=total, closefd=False) as w:
             w.write(struct.pack("<Q", len(head)) + head)
-            zeros, left = bytes(1 << 22), sum(sizes)
+            zeros, left = bytes(1 << 22), offset
             while left:
                 w.write(zeros[: min(left, len(zeros))])
                 left -= min(left, len(zeros))
@@ -957,14 +1079,16 @@ def make_long_cache(pristine: Path, dst: Path, tokens: int, max_positions: int) 
     (dst / "manifest.json").write_text(json.dumps(body, separators=(",", ":")))
 
 
-def test_verify_streams_whatever_the_manifest_claims(pristine, tmp_path):
+@pytest.mark.parametrize("quantized", [False, True], ids=["lossless", "8-bit"])
+def test_verify_streams_whatever_the_manifest_claims(pristine, pristine_q, tmp_path, quantized):
     """verify decompresses a 100 MB-per-layer bomb from a few KB on disk without holding it in memory."""
+    source = pristine_q if quantized else pristine
     long = tmp_path / "long.kv"
-    make_long_cache(pristine, long, tokens=400_000, max_positions=1 << 20)
+    make_long_cache(source, long, tokens=400_000, max_positions=1 << 20)
     assert sum(p.stat().st_size for p in long.iterdir()) < 2 << 20
     code = "import resource, sys; from kvcli.format import store; store.verify(sys.argv[1]); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
     rss = {}
-    for name, path in (("pristine", pristine), ("long", long)):
+    for name, path in (("pristine", source), ("long", long)):
         proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         rss[name] = int(proc.stdout) * 1024

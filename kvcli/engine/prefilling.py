@@ -16,13 +16,15 @@ from . import framing as fr, layers
 
 from ..format import manifest as mf, writing
 from ..documents import Document
-from ..errors import DocumentError, UsageError
+from ..errors import DocumentError, ModelError, UsageError
 from .models import LoadedModel
 
 DEFAULT_CHUNK = 1024  # chosen by measurement (8k tokens: 1.10x one forward at 60% of its peak memory): README, "Performance"
 ANSWER_ROOM = 320  # tokens kept free for a question and its answer
 DEFAULT_LEVEL = 1  # measured on byte planes of a 4k float32 cache: level 1 -> 0.829 of raw, 2 -> 0.835, 3 -> 0.839 (and slower); -1 -> 0.902
 DEFAULT_TRANSFORM = "byteplane"
+QUANT_GROUP = 64  # tokens (keys) / channels (values) per scale: chosen by measurement, README "Smaller caches"
+QUANT_EXACT = {8: 4, 4: 32}  # first tokens kept in the compute dtype (attention sinks), per bit width: measured, same place
 
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
 
@@ -89,10 +91,22 @@ def prefill(
     progress: ProgressFn | None = None,
     transform: str = DEFAULT_TRANSFORM,
     level: int = DEFAULT_LEVEL,
+    kv_bits: int | None = None,
+    group_size: int = QUANT_GROUP,
+    exact_tokens: int | None = None,
 ) -> PrefillResult:
-    """Compute the document's cache and write it atomically to `out` (replacing only with force)."""
+    """Compute the document's cache and write it atomically to `out` (replacing only with force).
+
+    kv_bits 8 or 4 stores it group-quantized (lossy, 4-8x smaller than raw; see format/quant.py);
+    None (the default) stores it losslessly."""
     if chunk_size < 1:
         raise UsageError(f"--chunk-size must be positive, got {chunk_size}")
+    if kv_bits is not None and kv_bits not in mf.KV_BITS:
+        raise UsageError(f"--kv-bits must be 8 or 4 (or absent for lossless), got {kv_bits}")
+    if exact_tokens is None:
+        exact_tokens = QUANT_EXACT.get(kv_bits, 0)
+    if not 1 <= group_size <= mf.MAX_GROUP or exact_tokens < 0:
+        raise UsageError(f"quantization group size {group_size} / exact tokens {exact_tokens} out of range")
     frame = fr.choose(lm.tokenizer, framing, system)
     ids, frame = document_split(lm, document, frame)
     out = Path(out)
@@ -102,9 +116,14 @@ def prefill(
         t1 = time.perf_counter()
         states = layers.read(cache)
         del cache
-        entries = write_layers(tmp, states, len(ids), transform=transform, level=level)
+        compression = {"codec": "zstd", "level": level, "transform": transform}
+        if kv_bits is not None:
+            compression = {**compression, "transform": "none",
+                           "quant": quant_spec(states, kv_bits, group_size=group_size, exact_tokens=exact_tokens)}
+        entries = write_layers(tmp, states, len(ids), transform=compression["transform"], level=level,
+                               quant=compression.get("quant"))
         manifest = mf.Manifest(
-            format_version=mf.FORMAT_VERSION,
+            format_version=mf.QUANT_FORMAT_VERSION if kv_bits is not None else mf.FORMAT_VERSION,
             kvcli_version=__version__,
             transformers_version=_transformers_version(),
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -112,7 +131,7 @@ def prefill(
             framing=frame.record(lm.tokenizer),
             document=document.record(),
             token_ids=ids,
-            compression={"codec": "zstd", "level": level, "transform": transform},
+            compression=compression,
             layers=entries,
             provenance=provenance(lm),
         )
@@ -120,7 +139,23 @@ def prefill(
     return PrefillResult(path=out, manifest=manifest, compute_s=t1 - t0, write_s=time.perf_counter() - t1)
 
 
-def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: int, *, transform: str, level: int) -> list[mf.LayerEntry]:
+def quant_spec(states: list[layers.LayerState], bits: int, *, group_size: int = QUANT_GROUP,
+               exact_tokens: int | None = None) -> dict:
+    """The manifest's compression.quant block for these states (float32 scales only if float16 would overflow)."""
+    from ..format.quant import choose_scale_dtype
+
+    if exact_tokens is None:
+        exact_tokens = QUANT_EXACT[bits]
+    tensors = [t for s in states for t in (s.keys, s.values)]
+    try:
+        scale_dtype = choose_scale_dtype(tensors)
+    except ValueError as exc:
+        raise ModelError(str(exc)) from None
+    return {"bits": bits, "group_size": group_size, "exact_tokens": exact_tokens, "scale_dtype": scale_dtype, **mf.QUANT_AXES}
+
+
+def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: int, *, transform: str, level: int,
+                 quant: dict | None = None) -> list[mf.LayerEntry]:
     """Compress and write every layer in parallel threads (zstd and torch copies release the GIL)."""
     import hashlib
 
@@ -129,7 +164,7 @@ def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: i
     def one(i: int) -> mf.LayerEntry:
         state = states[i]
         keys, values = state.keys.detach().to("cpu"), state.values.detach().to("cpu")
-        enc = encode_layer(keys, values, transform=transform, level=level)
+        enc = encode_layer(keys, values, transform=transform, level=level, quant=quant)
         name = mf.shard_name(i)
         writing.write_file(directory, name, enc.data)
         return mf.LayerEntry(

@@ -78,4 +78,5 @@ def _decode_shard(cache: OpenedCache, i: int, stored: Any, out):
         value_shape=entry.value_shape,
         decoded_bytes=entry.decoded_bytes,
         out=out,
+        quant=cache.manifest.quant,  # 8-/4-bit caches are dequantized straight into `out`
     )

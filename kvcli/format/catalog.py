@@ -28,6 +28,7 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "bytes_on_disk": m.bytes_stored,
         "ratio": round(m.bytes_stored / m.bytes_raw, 4) if m.bytes_raw else None,
         "compression": m.compression,
+        "storage": m.storage,
         "framing": {k: m.framing.get(k) for k in ("kind", "system")},
         "document": m.document,
         "created": m.created,
@@ -35,6 +36,15 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "transformers_version": m.transformers_version,
         "provenance": m.provenance,  # None for caches written before it was recorded
     }
+
+
+def describe_storage(m: Manifest) -> str:
+    """One line for `info`: lossless, or the quantization scheme the manifest records."""
+    c, q = m.compression, m.quant
+    if q is None:
+        return f"lossless ({c.get('transform', 'none')}, zstd level {c.get('level')})"
+    return (f"{q['bits']}-bit (lossy): keys per channel, values per token, groups of {q['group_size']}, "
+            f"first {q['exact_tokens']} tokens exact, {q['scale_dtype']} scales, zstd level {c.get('level')}")
 
 
 def layer_rows(m: Manifest) -> list[dict[str, Any]]:

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import json
+import struct
+
 import numpy as np
 import torch
 import zstandard
@@ -59,13 +62,40 @@ def _planes(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def encode_layer(keys: torch.Tensor, values: torch.Tensor, *, transform: str, level: int) -> EncodedLayer:
-    """Compress one layer's keys and values ([batch, kv_heads, seq, head_dim] each)."""
+def _in_order(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors file with the tensors' data in the given order (the library sorts by dtype, but a
+    quantized shard is streamed part by part in payload.quant_layout's order, so that order is the format)."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": dtypes.SAFETENSORS.get(dtype_name(t.dtype), "U8"), "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # safetensors pads the header to 8 bytes
+    parts = [struct.pack("<Q", len(head)), head]
+    parts += [_byte_view(t.contiguous()).tobytes() if t.numel() else b"" for t in tensors.values()]
+    return b"".join(parts)
+
+
+def encode_layer(keys: torch.Tensor, values: torch.Tensor, *, transform: str, level: int,
+                 quant: dict | None = None) -> EncodedLayer:
+    """Compress one layer's keys and values ([batch, kv_heads, seq, head_dim] each); with `quant` (the
+    manifest's compression.quant block) they are group-quantized first (format/quant.py)."""
     if transform not in TRANSFORMS:
         raise ValueError(f"unknown transform {transform!r}")
     from safetensors.torch import save
 
     meta = {"transform": transform, "dtype": dtype_name(keys.dtype)}
+    if quant is not None:  # lossy storage: the quantized parts, stored plain
+        from . import quant as qt
+
+        meta["kv_bits"] = str(quant["bits"])
+        payload = _in_order(qt.quantize_layer(keys, values, quant), meta)
+        data = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(payload)
+        raw = keys.numel() * keys.element_size() + values.numel() * values.element_size()
+        return EncodedLayer(data=data, raw_bytes=raw, decoded_bytes=len(payload))
     if transform == "byteplane":
         tensors = {"keys": _planes(keys), "values": _planes(values)}
     else:
@@ -120,6 +150,17 @@ def _read_planes(src: payload.PayloadReader, dst: torch.Tensor) -> None:
                 block[r : r + n, :, k] = part.reshape(n, cols)
 
 
+def _read_quant(src: payload.PayloadReader, out: tuple[torch.Tensor, torch.Tensor], quant: dict, name: str) -> None:
+    """Stream a quantized payload's parts (in layout order) and dequantize them into `out`."""
+    from . import quant as qt
+
+    def read(part: str, buf: torch.Tensor) -> None:
+        if buf.numel():  # no exact tokens, or all of them exact: a part may hold nothing
+            _read_plain(src, buf)
+
+    qt.dequantize_layer(read, out, quant, where=name)
+
+
 def decode_layer(
     data: bytes | memoryview,
     *,
@@ -130,6 +171,7 @@ def decode_layer(
     value_shape: tuple[int, ...],
     decoded_bytes: int,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    quant: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of encode_layer, checking every name, dtype, shape and offset against what is expected.
 
@@ -137,6 +179,7 @@ def decode_layer(
     straight into its destination (`out`, else fresh tensors). `out` tensors must have the expected
     shapes and dtype, live on the CPU and be contiguous per [seq, head_dim] block (views of larger
     buffers with room for more tokens are fine). Nothing larger than a small scratch is allocated.
+    With `quant` (the manifest's compression.quant) the parts are dequantized into `out` (format/quant.py).
     """
     payload.check_declared_size(data, decoded_bytes, name)  # before allocating anything
     expected = {"keys": tuple(key_shape), "values": tuple(value_shape)}
@@ -146,11 +189,14 @@ def decode_layer(
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"destination {tuple(t.shape)} {t.dtype} does not match {shape} {dtype}")
     with payload.PayloadReader(data, where=name, transform=transform, dtype=dtype_name(dtype), key_shape=expected["keys"],
-                               value_shape=expected["values"], decoded_bytes=decoded_bytes) as src:
-        for t in out:  # in payload order: keys, then values
-            if transform == "byteplane":
-                _read_planes(src, t)
-            else:
-                _read_plain(src, t)
+                               value_shape=expected["values"], decoded_bytes=decoded_bytes, quant=quant) as src:
+        if quant is not None:  # 8-/4-bit: parts dequantized into out
+            _read_quant(src, out, quant, name)
+        else:
+            for t in out:  # in payload order: keys, then values
+                if transform == "byteplane":
+                    _read_planes(src, t)
+                else:
+                    _read_plain(src, t)
         src.finish()
     return out[0], out[1]

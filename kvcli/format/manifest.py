@@ -13,10 +13,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import CacheCorruptError, CacheVersionError
+from . import payload
 from .dtypes import ITEM_SIZES
 
 FORMAT_NAME = "kvcli-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # lossless caches
+QUANT_FORMAT_VERSION = 2  # 8-/4-bit caches (compression.quant): a kvcli that reads only 1 says "version 2 not supported"
+SUPPORTED_VERSIONS = (FORMAT_VERSION, QUANT_FORMAT_VERSION)
+KV_BITS = (8, 4)
+MAX_GROUP = 1 << 16
+_QUANT_KEYS = {"bits", "group_size", "exact_tokens", "scale_dtype", "keys", "values"}
+QUANT_AXES = {"keys": "per_channel", "values": "per_token"}  # keys: groups of tokens in one channel; values: of channels in one token
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # token ids of a 1M-token document fit with room to spare
 DTYPE_SIZES = ITEM_SIZES  # bytes per element of each storable dtype (format/dtypes.py)
@@ -88,6 +95,16 @@ class Manifest:
     @property
     def transform(self) -> str:
         return self.compression.get("transform", "none")
+
+    @property
+    def quant(self) -> dict[str, Any] | None:
+        """The quantization scheme (bits, group_size, exact_tokens, scale_dtype, axes), None if lossless."""
+        return self.compression.get("quant")
+
+    @property
+    def storage(self) -> str:
+        """'lossless', '8-bit' or '4-bit'."""
+        return f"{self.quant['bits']}-bit" if self.quant else "lossless"
 
     @property
     def bytes_raw(self) -> int:
@@ -182,8 +199,9 @@ def parse(raw: bytes, where: str) -> Manifest:
     if body.get("format") != FORMAT_NAME:
         raise _bad(where, "not a kvcli cache manifest")
     version = body.get("format_version")
-    if type(version) is not int or version != FORMAT_VERSION:
-        raise CacheVersionError(f"{where}: cache format version {version!r} is not supported (this kvcli reads {FORMAT_VERSION})")
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
+        raise CacheVersionError(f"{where}: cache format version {version!r} is not supported "
+                                f"(this kvcli reads {', '.join(map(str, SUPPORTED_VERSIONS))})")
     try:
         intact = body.get("manifest_sha256") == checksum(body)
     except (ValueError, TypeError, RecursionError):
@@ -234,6 +252,11 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
     if compression.get("codec") != "zstd" or compression.get("transform", "none") not in ("none", "byteplane"):
         raise _bad(where, "unknown compression")
     _int(compression, "compression.level", where, -(1 << 17), 22, optional=True)
+    quant = compression.get("quant")
+    if (quant is not None) != (version == QUANT_FORMAT_VERSION):
+        raise _bad(where, f"format version {version} {'needs' if quant is None else 'has no'} a compression.quant block")
+    if quant is not None:
+        _quant(quant, compression, where)
     token_ids = _get(body, "token_ids", list, where)
     if not token_ids or any(type(t) is not int or not 0 <= t < (1 << 31) for t in token_ids):
         raise _bad(where, "token_ids must be a non-empty list of non-negative integers")
@@ -242,7 +265,7 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
     layers_raw = _get(body, "layers", list, where)
     if len(layers_raw) != model["num_layers"]:
         raise _bad(where, f"{len(layers_raw)} layers listed, model has {model['num_layers']}")
-    layers = [_layer(entry, i, len(token_ids), model, where) for i, entry in enumerate(layers_raw)]
+    layers = [_layer(entry, i, len(token_ids), model, where, quant) for i, entry in enumerate(layers_raw)]
     provenance = _provenance(body, where)
     return Manifest(
         format_version=version,
@@ -297,7 +320,26 @@ def _source(source: dict, where: str) -> None:
     _str(source, "model.source.revision", where, optional=True)
 
 
-def _layer(entry: Any, i: int, num_tokens: int, model: dict, where: str) -> LayerEntry:
+def _quant(quant: Any, compression: dict, where: str) -> None:
+    """The quantization block: exactly these fields, each in range (sizes and layout follow from it)."""
+    if not isinstance(quant, dict):
+        raise _bad(where, "manifest field 'compression.quant' has the wrong type")
+    if set(quant) != _QUANT_KEYS:
+        raise _bad(where, f"compression.quant fields {sorted(quant)} are not {sorted(_QUANT_KEYS)}")
+    if _int(quant, "compression.quant.bits", where, 1, 64) not in KV_BITS:
+        raise _bad(where, f"unsupported quantization to {quant['bits']} bits")
+    _int(quant, "compression.quant.group_size", where, 1, MAX_GROUP)
+    _int(quant, "compression.quant.exact_tokens", where, 0, MAX_TOKENS)
+    if _str(quant, "compression.quant.scale_dtype", where) not in ("float16", "float32"):
+        raise _bad(where, "unsupported compression.quant.scale_dtype")
+    for key, axis in QUANT_AXES.items():
+        if quant[key] != axis:
+            raise _bad(where, f"compression.quant.{key} must be {axis!r}")
+    if compression.get("transform", "none") != "none":
+        raise _bad(where, "a quantized cache has no byte-plane transform")
+
+
+def _layer(entry: Any, i: int, num_tokens: int, model: dict, where: str, quant: dict | None = None) -> LayerEntry:
     w = f"{where} (layer {i})"
     if not isinstance(entry, dict):
         raise _bad(w, "layer entry is not an object")
@@ -333,7 +375,8 @@ def _layer(entry: Any, i: int, num_tokens: int, model: dict, where: str) -> Laye
     if _int(entry, "raw_bytes", w, 0, 1 << 48) != raw:
         raise _bad(w, f"raw_bytes does not match shapes ({raw})")
     decoded = _int(entry, "decoded_bytes", w, 0, 1 << 48)
-    if not raw < decoded <= raw + 8 + 64 * 1024:
+    data = raw if quant is None else payload.data_bytes(payload.quant_layout(model["dtype"], key_shape, value_shape, quant))
+    if not data < decoded <= data + 8 + payload.MAX_HEADER:
         raise _bad(w, "decoded_bytes does not fit the shapes")
     stored = _int(entry, "stored_bytes", w, 1, 1 << 48)
     if stored > decoded + decoded // 64 + 4096:  # zstd never expands data by more than a sliver

@@ -1,6 +1,7 @@
 """The layout of a shard's payload, checked without torch: shared by restore (codec) and verify (store).
 
-A shard is one zstd frame of a safetensors file holding "keys" and "values". These rules decide
+A shard is one zstd frame of a safetensors file holding "keys" and "values" (lossless) or their
+quantized parts (see quant_layout). These rules decide
 whether its frame and header are exactly what the manifest describes, and PayloadReader streams a
 payload under them: restore decompresses the tensors' bytes into their destinations, verify counts them.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 
 import zstandard
 
@@ -38,8 +40,91 @@ def header_length(first8: bytes, decoded_bytes: int, where: str) -> int:
     return n
 
 
-def check_header(raw: bytes, *, where: str, transform: str, dtype: str, key_shape, value_shape, decoded_bytes: int) -> None:
-    """The header must name exactly keys and values, with the expected dtype, shape and adjacent offsets."""
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a shard's payload: its name, safetensors dtype, shape and byte count."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def code_bytes(numel: int, bits: int) -> int:
+    """Bytes holding `numel` codes of `bits` bits (4-bit codes two per byte)."""
+    return numel if bits == 8 else (numel + 1) // 2
+
+
+def layout(dtype: str, key_shape, value_shape, *, transform: str = "none", quant: dict | None = None) -> list[Entry]:
+    """Every tensor a shard's payload holds, in order, as the manifest implies them (shared by
+    manifest sizes, verify and restore). Lossless: "keys", "values". Quantized: see quant_layout."""
+    if quant is not None:
+        return quant_layout(dtype, key_shape, value_shape, quant)
+    item = ITEM_SIZES[dtype]
+    out = []
+    for name, shape in (("keys", tuple(key_shape)), ("values", tuple(value_shape))):
+        numel = _numel(shape)
+        if transform == "byteplane":
+            out.append(Entry(name, "U8", (item, numel), item * numel))
+        else:
+            out.append(Entry(name, ST_DTYPES[dtype], shape, item * numel))
+    return out
+
+
+def quant_layout(dtype: str, key_shape, value_shape, quant: dict) -> list[Entry]:
+    """Quantized payload: per tensor (keys, then values) NAME.exact (the first exact tokens in the compute
+    dtype), NAME.codes (U8, packed codes of the other tokens), NAME.scale and NAME.min (one per group:
+    keys group `group_size` tokens of one channel, values `group_size` channels of one token)."""
+    item, bits, group = ITEM_SIZES[dtype], quant["bits"], quant["group_size"]
+    sdtype = quant["scale_dtype"]
+    out = []
+    for name, shape, axis in (("keys", tuple(key_shape), 2), ("values", tuple(value_shape), 3)):
+        b, h, n, d = shape
+        exact = min(quant["exact_tokens"], n)
+        rest = (b, h, n - exact, d)
+        stats = list(rest)
+        stats[axis] = -(-stats[axis] // group)
+        stats = tuple(stats)
+        out += [
+            Entry(f"{name}.exact", ST_DTYPES[dtype], (b, h, exact, d), item * b * h * exact * d),
+            Entry(f"{name}.codes", "U8", (code_bytes(_numel(rest), bits),), code_bytes(_numel(rest), bits)),
+            Entry(f"{name}.scale", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * _numel(stats)),
+            Entry(f"{name}.min", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * _numel(stats)),
+        ]
+    return out
+
+
+_F16_TOP = bytes(int((b & 0x7C) == 0x7C) for b in range(256))  # high byte of a float16 with an all-ones exponent
+_F32_HI = bytes(int((b & 0x7F) == 0x7F) for b in range(256))
+_F32_LO = bytes(int(b >= 0x80) for b in range(256))
+
+
+def check_finite(data: bytes, dtype: str, where: str) -> None:
+    """Refuse little-endian float16/float32 bytes holding an inf or NaN (quantization scales, minimums),
+    in C-speed byte operations (verify imports no numpy)."""
+    if dtype == "float16":
+        bad = 1 in data[1::2].translate(_F16_TOP)
+    else:
+        hi, lo = data[3::4].translate(_F32_HI), data[2::4].translate(_F32_LO)
+        bad = bool(int.from_bytes(hi, "little") & int.from_bytes(lo, "little"))
+    if bad:
+        raise CacheCorruptError(f"{where} holds values that are not finite")
+
+
+def data_bytes(entries: list[Entry]) -> int:
+    return sum(e.nbytes for e in entries)
+
+
+def check_header(raw: bytes, *, where: str, transform: str, dtype: str, key_shape, value_shape, decoded_bytes: int,
+                 quant: dict | None = None) -> None:
+    """The header must name exactly the layout's tensors, with the expected dtypes, shapes and adjacent offsets."""
 
     def bad(what: str) -> CacheCorruptError:
         return CacheCorruptError(f"{where}: {what}")
@@ -50,30 +135,28 @@ def check_header(raw: bytes, *, where: str, transform: str, dtype: str, key_shap
         raise bad("safetensors header is not valid JSON") from None
     if not isinstance(header, dict):
         raise bad("safetensors header is not an object")
-    expected = {"keys": tuple(key_shape), "values": tuple(value_shape)}
-    if set(header) - {"__metadata__"} != set(expected):
-        raise bad(f"holds tensors {sorted(header)[:8]}, expected keys and values")
+    expected = layout(dtype, key_shape, value_shape, transform=transform, quant=quant)
+    if set(header) - {"__metadata__"} != {e.name for e in expected}:
+        raise bad(f"holds tensors {sorted(header)[:8]}, expected {', '.join(e.name for e in expected)}")
     meta = header.get("__metadata__") or {}
     if not isinstance(meta, dict) or meta.get("transform", "none") != transform:
         raise bad("transform in shard does not match the manifest")
     if meta.get("dtype", dtype) != dtype:  # byte planes are U8: only this tells bf16 from f16
         raise bad("dtype in shard does not match the manifest")
-    item = ITEM_SIZES[dtype]
+    if meta.get("kv_bits") != (str(quant["bits"]) if quant else None):
+        raise bad("quantization in shard does not match the manifest")
     end_prev = 0
-    for name, shape in expected.items():
-        entry = header[name]
-        numel = 1
-        for s in shape:
-            numel *= s
-        want = ("U8", [item, numel]) if transform == "byteplane" else (ST_DTYPES[dtype], list(shape))
+    for e in expected:
+        entry = header[e.name]
+        want = (e.dtype, list(e.shape))
         if not isinstance(entry, dict) or (entry.get("dtype"), entry.get("shape")) != want:
-            raise bad(f"{name} has dtype/shape {repr(entry)[:200]}, expected {want}")
+            raise bad(f"{e.name} has dtype/shape {repr(entry)[:200]}, expected {want}")
         offsets = entry.get("data_offsets")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
-            raise bad(f"{name} data offsets are malformed")
+            raise bad(f"{e.name} data offsets are malformed")
         begin, end = offsets
-        if begin != end_prev or end != begin + numel * item:
-            raise bad(f"{name} data offsets are inconsistent")
+        if begin != end_prev or end != begin + e.nbytes:
+            raise bad(f"{e.name} data offsets are inconsistent")
         end_prev = end
     if 8 + len(raw) + end_prev != decoded_bytes:
         raise bad("trailing bytes after the tensors" if 8 + len(raw) + end_prev < decoded_bytes
@@ -94,9 +177,10 @@ class PayloadReader:
     """
 
     def __init__(self, data: bytes | memoryview, *, where: str, transform: str, dtype: str, key_shape, value_shape,
-                 decoded_bytes: int):
+                 decoded_bytes: int, quant: dict | None = None):
         self.data, self.where, self.size, self.got = data, where, decoded_bytes, 0
-        self.rules = dict(transform=transform, dtype=dtype, key_shape=tuple(key_shape), value_shape=tuple(value_shape))
+        self.rules = dict(transform=transform, dtype=dtype, key_shape=tuple(key_shape), value_shape=tuple(value_shape),
+                          quant=quant)
         self._reader = None
 
     def __enter__(self) -> "PayloadReader":
@@ -136,7 +220,19 @@ class PayloadReader:
         self.got += done
 
     def drain(self) -> None:
-        """Read the rest of the payload in bounded chunks, keeping nothing (verify)."""
+        """Read the rest of the payload in bounded chunks, keeping nothing (verify); a quantized payload's
+        scales and minimums are checked to be finite on the way."""
+        quant = self.rules["quant"]
+        if quant is not None:
+            r = self.rules
+            for e in layout(r["dtype"], r["key_shape"], r["value_shape"], quant=quant):
+                left = e.nbytes
+                while left:
+                    part = bytearray(min(_CHUNK, left))
+                    self.readinto(part)
+                    if e.name.endswith((".scale", ".min")):
+                        check_finite(bytes(part), quant["scale_dtype"], f"{self.where}: {e.name}")
+                    left -= len(part)
         scratch = bytearray(min(_CHUNK, max(self.size - self.got, 1)))
         while self.got < self.size:
             n = min(len(scratch), self.size - self.got)

@@ -188,15 +188,16 @@ def verify(path: str | os.PathLike, *, decode: bool = True) -> mf.Manifest:
 
 
 def check_payload(data: bytes, *, where: str, transform: str, dtype: str, key_shape: tuple[int, ...],
-                  value_shape: tuple[int, ...], decoded_bytes: int) -> None:
+                  value_shape: tuple[int, ...], decoded_bytes: int, quant: dict | None = None) -> None:
     """Decompress one shard in bounded chunks and check it holds exactly what the manifest describes.
 
     The same streaming reader as codec.decode_layer (payload.PayloadReader): a zstd frame that declares
-    no other size, a safetensors header naming keys and values with the expected dtype, shape and
-    adjacent offsets, and exactly decoded_bytes in all. Nothing larger than a chunk is held.
+    no other size, a safetensors header naming the layout's tensors with the expected dtype, shape and
+    adjacent offsets, finite quantization scales, and exactly decoded_bytes in all. Nothing larger than
+    a chunk is held.
     """
     with payload.PayloadReader(data, where=where, transform=transform, dtype=dtype, key_shape=key_shape,
-                               value_shape=value_shape, decoded_bytes=decoded_bytes) as src:
+                               value_shape=value_shape, decoded_bytes=decoded_bytes, quant=quant) as src:
         src.drain()
         src.finish()
 

@@ -156,7 +156,7 @@ def verify(url: str) -> mf.Manifest:
         if hashlib.sha256(data).hexdigest() != entry.sha256:
             raise CacheCorruptError(f"{where}: checksum mismatch (the shard in the object store is damaged or was changed)")
         store.check_payload(data, where=where, transform=m.transform, dtype=m.dtype, key_shape=entry.key_shape,
-                            value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes)
+                            value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes, quant=m.quant)
     return m
 
 

@@ -1,0 +1,101 @@
+"""kvcli bench --kv-bits: what each quantized storage format costs in fidelity and buys in size and speed.
+
+For one document length whose lossless cache bench.py has just written, each format (8-bit, 4-bit) is
+prefilled from the same document and measured against the lossless cache: size on disk over float32
+raw, restore time and throughput of dequantized output, TTFT with the cache, and agreement over the
+questions (engine/fidelity.py). The lossless cache's own greedy answers are the reference.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .documents import Document
+from .engine import answer, fidelity, prefilling as pf, restore
+from .engine.models import LoadedModel
+from .format import store
+
+from .bench import RESTORE_REPEATS, TTFT_QUESTIONS
+
+
+def _restore_s(lm: LoadedModel, path: Path) -> float:
+    """Median seconds to read, verify, decompress (dequantize) and build the cache object."""
+    times = []
+    for _ in range(RESTORE_REPEATS):
+        t0 = time.perf_counter()
+        with store.open_cache(path) as opened:
+            cache = restore.load_cache(opened, device=lm.device, dtype=lm.dtype)
+        times.append(time.perf_counter() - t0)
+        del cache
+    return statistics.median(times)
+
+
+def _ttft_s(lm: LoadedModel, path: Path, qs: Sequence[str]) -> float:
+    """Median time to the first answer token with a fresh session per question (restore included)."""
+    times = []
+    for q in qs[:TTFT_QUESTIONS]:
+        a = answer.Session(lm, path).ask(q, answer.GenerationOptions(max_new_tokens=1))
+        times.append(a.ttft_s)
+    return statistics.median(times)
+
+
+def measure(lm: LoadedModel, doc: Document, lossless: Path, qs: Sequence[str], kv_bits: Sequence[int], *,
+            chunk_size: int, level: int, answer_tokens: int, note: Callable[[str], None], **scheme: int) -> dict[str, Any]:
+    """{"lossless": {...}, "8-bit": {...}, ...}: sizes, restore, TTFT and agreement for every format.
+
+    `scheme` (group_size, exact_tokens) overrides prefill's defaults, to measure alternatives."""
+    opts = answer.GenerationOptions(max_new_tokens=answer_tokens)
+    note(f"  reference: lossless answers to {len(qs)} question(s), {answer_tokens} tokens at most")
+    ref = answer.Session(lm, lossless)
+    cached = len(ref.token_ids)
+    ref_answers = [ref.ask(q, opts) for q in qs]
+    tails = [a.prompt_token_ids[cached:] for a in ref_answers]
+    ref_ids = [a.answer_token_ids for a in ref_answers]
+    m = ref.manifest
+    base = {"bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored, "disk_over_raw": m.bytes_stored / m.bytes_raw}
+    note("  lossless: restore, TTFT, teacher-forced self-agreement (the noise floor)")
+    rows: dict[str, Any] = {"lossless": _row(lm, lossless, qs, base, fidelity.compare(lm, ref.states, ref.states, tails, ref_ids))}
+    for bits in kv_bits:
+        name = f"{bits}-bit"
+        path = lossless.with_name(f"{lossless.stem}-q{bits}.kv")
+        note(f"  {name}: prefill, restore x{RESTORE_REPEATS}, TTFT, {len(qs)} answers and teacher-forced agreement")
+        res = pf.prefill(lm, doc, path, chunk_size=chunk_size, level=level, force=True, kv_bits=bits, **scheme)
+        qm = res.manifest
+        info = {"bytes_raw": qm.bytes_raw, "bytes_on_disk": qm.bytes_stored, "disk_over_raw": qm.bytes_stored / qm.bytes_raw,
+                "prefill_write_s": res.write_s, "quant": qm.quant}
+        cand = answer.Session(lm, path)
+        cand_ids = [cand.ask(q, opts).answer_token_ids for q in qs]
+        rows[name] = _row(lm, path, qs, info, fidelity.compare(lm, ref.states, cand.states, tails, ref_ids, cand_ids))
+        del cand
+    return rows
+
+
+def _row(lm: LoadedModel, path: Path, qs: Sequence[str], info: dict[str, Any], agreement: fidelity.Agreement) -> dict[str, Any]:
+    restore_s = _restore_s(lm, path)
+    return {**info, "restore_s": restore_s, "restore_gb_per_s": info["bytes_raw"] / restore_s / 1e9,
+            "ttft_cached_s": _ttft_s(lm, path, qs), "agreement": agreement.to_json()}
+
+
+def render_rows(sizes: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """(label, one cell per length) rows for bench.render: one block per format."""
+    names = [n for n in (sizes[0].get("formats") or {})] if sizes else []
+    out: list[tuple[str, list[str]]] = []
+    for name in names:
+        cells = [r["formats"][name] for r in sizes]
+        out += [
+            (f"{name}: on disk", [f"{c['disk_over_raw']:.1%} of raw ({c['bytes_on_disk'] / 1e6:,.1f} MB)" for c in cells]),
+            ("  restore", [f"{c['restore_s']:.3f} s, {c['restore_gb_per_s']:.2f} GB/s" for c in cells]),
+            ("  TTFT with cache", [f"{c['ttft_cached_s']:.3f} s" for c in cells]),
+            ("  top-1 (teacher-forced)", [f"{c['agreement']['top1']:.2%}" for c in cells]),
+            ("  mean KL", [f"{c['agreement']['kl_mean']:.2e}" for c in cells]),
+            ("  same whole answers", [_pct(c["agreement"]["answers_identical"]) for c in cells]),
+        ]
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"

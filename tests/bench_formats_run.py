@@ -1,0 +1,48 @@
+"""The agreement run of README "Smaller caches" without bench's lossless baselines (not part of the test run).
+
+`kvcli bench --kv-bits 8 --kv-bits 4` also measures plain prefills, naive torch.save and recompute TTFTs;
+this script runs only the part that compares formats (kvcli.bench_formats.measure, the same function), so
+it fits a busy machine: python tests/bench_formats_run.py [--tokens 4096] [--questions 16] [--answer-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from kvcli import bench, bench_formats, documents
+from kvcli.engine import framing as fr, models, prefilling as pf
+
+SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--questions", type=int, default=16)
+    ap.add_argument("--answer-tokens", type=int, default=64)
+    ap.add_argument("--bits", default="8,4")
+    ap.add_argument("--group", type=int, default=None)
+    ap.add_argument("--exact", type=int, default=None)
+    args = ap.parse_args()
+    scheme = {k: v for k, v in (("group_size", args.group), ("exact_tokens", args.exact)) if v is not None}
+    qs = []
+    for name in ("questions.txt", "questions-more.txt"):
+        qs += [l.strip() for l in (SAMPLES / name).read_text().splitlines() if l.strip() and not l.startswith("#")]
+    qs = qs[: args.questions]
+    lm = models.load()
+    frame = fr.choose(lm.tokenizer, "auto", None)
+    doc = bench._document_of(lm, frame, documents.read(SAMPLES / "document.txt"), args.tokens)
+    with tempfile.TemporaryDirectory(prefix="kvcli-formats-") as tmp:
+        path = Path(tmp) / "doc.kv"
+        res = pf.prefill(lm, doc, path)
+        rows = bench_formats.measure(lm, doc, path, qs, [int(b) for b in args.bits.split(",")], chunk_size=pf.DEFAULT_CHUNK,
+                                     level=pf.DEFAULT_LEVEL, answer_tokens=args.answer_tokens,
+                                     note=lambda m: print(m, flush=True, file=__import__("sys").stderr), **scheme)
+    print(json.dumps({"tokens": res.manifest.num_tokens, "questions": qs, "answer_tokens": args.answer_tokens, "formats": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Choose the quantization group size and exact (sink) tokens by measurement (not part of the test run).
+
+Runs the default model over the sample document (about 4k tokens, float32), answers the sample questions
+from the lossless cache (the reference), then for each (bits, group size, exact tokens) quantizes every
+layer through the real codec and reports on disk / raw and teacher-forced agreement (format/quant.py,
+engine/fidelity.py). Usage: python tests/bench_quant.py [--tokens 4096] [--questions 8] [--new 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kvcli import bench, documents
+from kvcli.engine import fidelity, framing as fr, layers, models, prefilling as pf
+from kvcli.engine.kvcache import KVCache
+from kvcli.format import codec
+
+SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+
+
+def questions(n: int) -> list[str]:
+    lines = []
+    for name in ("questions.txt", "questions-more.txt"):
+        lines += [l.strip() for l in (SAMPLES / name).read_text().splitlines() if l.strip() and not l.startswith("#")]
+    return lines[:n]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--questions", type=int, default=8)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--groups", default="32,64,128")
+    ap.add_argument("--exact", default="0,4,32")
+    ap.add_argument("--bits", default="8,4")
+    ap.add_argument("--configs", default="", help="bits:group:exact,... instead of the full grid")
+    args = ap.parse_args()
+    lm = models.load()
+    frame = fr.choose(lm.tokenizer, "auto", None)
+    doc = bench._document_of(lm, frame, documents.read(SAMPLES / "document.txt"), args.tokens)
+    ids = pf.document_token_ids(lm, doc, frame)
+    states = layers.read(pf.run_chunks(lm, ids, pf.DEFAULT_CHUNK))
+    states = [layers.LayerState(s.kind, s.keys.clone(), s.values.clone(), s.seq_length, s.sliding_window) for s in states]
+    raw = sum(s.keys.numel() * 4 * 2 for s in states)
+    tails = [fr.question_ids(lm.tokenizer, frame, q) for q in questions(args.questions)]
+    answers = []
+    for tail in tails:
+        x = torch.tensor([ids + tail])
+        with torch.inference_mode():
+            out = lm.model.generate(input_ids=x, attention_mask=torch.ones_like(x), cache=KVCache.from_states(states),
+                                    max_new_tokens=args.new, do_sample=False)
+        answers.append(out[0, x.shape[1]:].tolist())
+    print(f"{len(ids)} tokens, {raw / 1e6:.1f} MB raw, {len(tails)} questions, {sum(map(len, answers))} answer tokens")
+    grid = [(b, g, e) for b in map(int, args.bits.split(",")) for g in map(int, args.groups.split(","))
+            for e in map(int, args.exact.split(","))]
+    if args.configs:
+        grid = [tuple(map(int, c.split(":"))) for c in args.configs.split(",")]
+    for bits, group, exact in grid:
+        spec = pf.quant_spec(states, bits, group_size=group, exact_tokens=exact)
+        t0 = time.perf_counter()
+        stored, cand = 0, []
+        for s in states:
+            enc = codec.encode_layer(s.keys, s.values, transform="none", level=pf.DEFAULT_LEVEL, quant=spec)
+            stored += len(enc.data)
+            k, v = codec.decode_layer(enc.data, name="x", transform="none", dtype=s.keys.dtype, key_shape=tuple(s.keys.shape),
+                                      value_shape=tuple(s.values.shape), decoded_bytes=enc.decoded_bytes, quant=spec)
+            cand.append(layers.LayerState(s.kind, k, v, s.seq_length, s.sliding_window))
+        a = fidelity.compare(lm, states, cand, tails, answers)
+        row = {"bits": bits, "group": group, "exact": exact, "disk_over_raw": round(stored / raw, 4),
+               "top1": round(a.top1, 4), "top1_vs_lossless": round(a.top1_vs_lossless, 4), "kl_mean": a.kl_mean,
+               "kl_max": a.kl_max, "s": round(time.perf_counter() - t0, 1)}
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

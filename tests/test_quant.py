@@ -1,0 +1,296 @@
+"""8-/4-bit caches: the group quantization math, its shard layout and manifest schema, restore into
+views with room, tiny-model end to end (full and sliding layers), the CLI showing the scheme, and an
+older reader refusing the format by version."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvcli
+from kvcli.documents import decode
+from kvcli.engine import fidelity, restore
+from kvcli.engine.prefilling import prefill, quant_spec, run_chunks
+from kvcli.errors import CacheCorruptError, CacheVersionError, ModelError
+from kvcli.format import codec, manifest as mf, payload, quant, store
+from kvcli.engine import layers
+from tests.conftest import sample_text, tiny_llama
+from tests.helpers import assert_clean_error, run
+
+SHAPES = [(1, 3, 37, 16), (1, 2, 200, 64), (1, 1, 3, 5)]  # partial groups, several groups, fewer tokens than exact
+
+
+def _spec(bits, group=32, exact=4, scale_dtype="float16"):
+    return {"bits": bits, "group_size": group, "exact_tokens": exact, "scale_dtype": scale_dtype, **mf.QUANT_AXES}
+
+
+def _kv(shape, seed=0):
+    """Keys with channels of very different ranges (as real keys have), values of one scale."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(shape, generator=g) * torch.linspace(0.05, 20, shape[-1]) + torch.linspace(-3, 3, shape[-1])
+    return keys, torch.randn(shape, generator=g)
+
+
+def _round_trip(keys, values, spec, out=None):
+    enc = codec.encode_layer(keys, values, transform="none", level=1, quant=spec)
+    k, v = codec.decode_layer(enc.data, name="shard", transform="none", dtype=keys.dtype, key_shape=tuple(keys.shape),
+                              value_shape=tuple(values.shape), decoded_bytes=enc.decoded_bytes, out=out, quant=spec)
+    return enc, k, v
+
+
+def _group_bound(x, axis, group, bits):
+    """Largest error allowed per element: half a step of its group, plus float16 rounding of scale and min."""
+    n = x.shape[axis]
+    out = torch.empty_like(x)
+    for start in range(0, n, group):
+        part = x.narrow(axis, start, min(group, n - start))
+        lo, hi = part.amin(axis, keepdim=True), part.amax(axis, keepdim=True)
+        step = (hi - lo) / ((1 << bits) - 1)
+        out.narrow(axis, start, part.shape[axis]).copy_((step / 2 + (hi.abs() + lo.abs()) * 2e-3).expand_as(part))
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_round_trip_error_is_within_half_a_step_of_each_group_and_exact_tokens_are_exact(bits, shape):
+    keys, values = _kv(shape)
+    spec = _spec(bits)
+    enc, k, v = _round_trip(keys, values, spec)
+    e = min(spec["exact_tokens"], shape[2])
+    assert torch.equal(k[:, :, :e], keys[:, :, :e]) and torch.equal(v[:, :, :e], values[:, :, :e])
+    for got, want, axis in ((k, keys, 2), (v, values, 3)):
+        rest = want[:, :, e:]
+        assert bool(((got[:, :, e:] - rest).abs() <= _group_bound(rest, axis, 32, bits)).all())
+    layout = payload.quant_layout("float32", shape, shape, spec)
+    assert enc.decoded_bytes > payload.data_bytes(layout)  # header + the layout's bytes, nothing else
+    assert [e.name for e in layout] == [f"{t}.{p}" for t in ("keys", "values") for p in ("exact", "codes", "scale", "min")]
+
+
+def test_keys_per_channel_keep_small_channels_precise():
+    """A channel 400x smaller than another keeps its own precision: groups run along tokens, not channels."""
+    keys, values = _kv((1, 2, 256, 64))
+    _, k, _ = _round_trip(keys, values, _spec(4, group=64, exact=0))
+    small = (k[..., 0] - keys[..., 0]).abs().max()
+    assert small < 0.05 * 0.5 / 15 * 8 + 1e-3  # channel 0 spans about 8 * 0.05: half a 4-bit step of that
+
+
+def test_four_bit_codes_pack_two_per_byte_and_odd_counts_round_up():
+    codes = torch.tensor([1, 2, 15, 0, 7], dtype=torch.uint8)
+    packed = quant.pack(codes, 4)
+    assert packed.tolist() == [1 | 2 << 4, 15, 7] and payload.code_bytes(5, 4) == 3
+    assert torch.equal(quant.unpack(packed, 4, 5), codes)
+
+
+def test_constant_groups_and_half_precision_caches_round_trip():
+    keys = torch.full((1, 2, 40, 8), 3.25, dtype=torch.bfloat16)
+    values = torch.zeros((1, 2, 40, 8), dtype=torch.bfloat16)
+    _, k, v = _round_trip(keys, values, _spec(4, group=16))
+    assert k.dtype == torch.bfloat16 and torch.equal(k, keys) and torch.equal(v, values)
+
+
+def test_dequantizes_into_views_with_room_and_leaves_the_room_alone():
+    keys, values = _kv((1, 3, 300, 16))
+    bufs = [torch.full((1, 3, 307, 16), 7.0) for _ in range(2)]
+    out = tuple(b[:, :, :300] for b in bufs)
+    _, k, v = _round_trip(keys, values, _spec(8), out=out)
+    assert k is out[0] and v is out[1]
+    assert bool(((k - keys)[:, :, 4:].abs() <= _group_bound(keys[:, :, 4:], 2, 32, 8)).all())
+    assert bool(((v - values)[:, :, 4:].abs() <= _group_bound(values[:, :, 4:], 3, 32, 8)).all())
+    assert all(bool((b[:, :, 300:] == 7.0).all()) for b in bufs)
+
+
+def test_a_shard_decoded_with_another_scheme_is_corruption():
+    keys, values = _kv((1, 2, 64, 16))
+    enc = codec.encode_layer(keys, values, transform="none", level=1, quant=_spec(8))
+    for other in (_spec(4), _spec(8, group=16), _spec(8, exact=5), _spec(8, scale_dtype="float32"), None):
+        for check in ("codec", "store"):
+            with pytest.raises(CacheCorruptError):
+                kw = dict(transform="none", key_shape=tuple(keys.shape), value_shape=tuple(values.shape),
+                          decoded_bytes=enc.decoded_bytes, quant=other)
+                if check == "codec":
+                    codec.decode_layer(enc.data, name="s", dtype=torch.float32, **kw)
+                else:
+                    store.check_payload(enc.data, where="s", dtype="float32", **kw)
+    store.check_payload(enc.data, where="s", dtype="float32", transform="none", key_shape=tuple(keys.shape),
+                        value_shape=tuple(values.shape), decoded_bytes=enc.decoded_bytes, quant=_spec(8))
+
+
+def test_non_finite_caches_are_not_quantized():
+    state = layers.LayerState("full", torch.tensor([[[[1.0, float("inf")]]]]), torch.zeros(1, 1, 1, 2), 1, None)
+    with pytest.raises(ModelError, match="losslessly"):
+        quant_spec([state], 8)
+    big = layers.LayerState("full", torch.full((1, 1, 1, 2), 1e6), torch.zeros(1, 1, 1, 2), 1, None)
+    assert quant_spec([big], 8)["scale_dtype"] == "float32"  # float16 scales would overflow
+
+
+# ---------------------------------------------------------------- whole caches on tiny models
+
+
+@pytest.fixture(scope="module")
+def doc():
+    return decode(sample_text()[:1500].encode(), "doc.txt")
+
+
+@pytest.fixture(scope="module")
+def caches(tiny_lm, doc, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    out = {}
+    for bits in (None, 8, 4):
+        path = root / f"doc-{bits or 'lossless'}.kv"
+        prefill(tiny_lm, doc, path, chunk_size=100, kv_bits=bits)
+        out[bits] = path
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_cache_manifest_sizes_and_verify(caches, bits):
+    m = store.verify(caches[bits])
+    lossless = store.read_manifest(caches[None])
+    assert m.format_version == mf.QUANT_FORMAT_VERSION and lossless.format_version == mf.FORMAT_VERSION
+    assert m.quant == {"bits": bits, "group_size": 64, "exact_tokens": 4 if bits == 8 else 32, "scale_dtype": "float16",
+                       "keys": "per_channel", "values": "per_token"}
+    assert m.storage == f"{bits}-bit" and m.transform == "none"
+    assert m.bytes_raw == lossless.bytes_raw  # raw: the float32 tensors the cache restores to
+    assert m.bytes_stored < (0.45 if bits == 8 else 0.3) * m.bytes_raw  # head_dim 16: one scale per 16 values
+    for layer in m.layers:
+        lay = payload.quant_layout(m.dtype, layer.key_shape, layer.value_shape, m.quant)
+        assert payload.data_bytes(lay) < layer.decoded_bytes <= payload.data_bytes(lay) + 8 + payload.MAX_HEADER
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_cache_restores_close_to_lossless_and_agrees(tiny_lm, caches, bits):
+    ref, got = kvcli.Session(tiny_lm, caches[None]), kvcli.Session(tiny_lm, caches[bits])
+    for a, b in zip(ref.states, got.states):
+        assert b.keys.dtype == torch.float32 and torch.equal(a.keys[:, :, :4], b.keys[:, :, :4])  # sinks exact
+        rel = (a.values - b.values).norm() / a.values.norm()
+        assert rel < (0.01 if bits == 8 else 0.12), rel
+        if b.kind == "full":  # dequantized into buffers with room for the question after the document
+            assert b.keys.untyped_storage().nbytes() > b.keys.numel() * b.keys.element_size()
+    qs = ["Who is the licensor?", "What does the license grant?"]
+    answers = [ref.ask(q, kvcli.GenerationOptions(max_new_tokens=8)) for q in qs]
+    tails = [a.prompt_token_ids[len(ref.token_ids):] for a in answers]
+    cand = [got.ask(q, kvcli.GenerationOptions(max_new_tokens=8)).answer_token_ids for q in qs]
+    agree = fidelity.compare(tiny_lm, ref.states, got.states, tails, [a.answer_token_ids for a in answers], cand)
+    same = fidelity.compare(tiny_lm, ref.states, ref.states, tails, [a.answer_token_ids for a in answers])
+    assert same.top1_vs_lossless == 1.0 and same.kl_mean < 1e-9 and same.answers_identical is None
+    assert agree.answer_tokens == sum(len(a.answer_token_ids) for a in answers) and agree.questions == 2
+    assert agree.top1_vs_lossless >= (0.9 if bits == 8 else 0.6) and 0 <= agree.kl_mean < (0.01 if bits == 8 else 0.5)
+    assert 0 <= agree.answers_identical <= 1
+
+
+def test_sliding_layers_are_quantized_too(tokenizer, doc, tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=32,
+                                             initializer_range=0.1)).eval()
+    lm = kvcli.from_objects(model, tokenizer, name="tiny-mistral")
+    path = tmp_path / "doc.kv"
+    m = prefill(lm, doc, path, chunk_size=100, kv_bits=4, exact_tokens=4).manifest  # 27 of the 31 tokens quantized
+    assert {layer.kind for layer in m.layers} == {"sliding"} and all(layer.cached_length == 31 for layer in m.layers)
+    fresh = layers.read(run_chunks(lm, m.token_ids, 100))
+    session = kvcli.Session(lm, path)
+    for a, b in zip(fresh, session.states):
+        assert b.seq_length == a.seq_length and torch.equal(a.keys[:, :, :4], b.keys[:, :, :4])
+        assert (a.keys - b.keys).norm() / a.keys.norm() < 0.12
+    assert session.ask("Who is the licensor?", kvcli.GenerationOptions(max_new_tokens=4)).answer_token_ids
+
+
+def test_prefill_refuses_other_bit_widths(tiny_lm, doc, tmp_path):
+    from kvcli.errors import UsageError
+
+    with pytest.raises(UsageError, match="8 or 4"):
+        prefill(tiny_lm, doc, tmp_path / "x.kv", kv_bits=2)
+    assert not (tmp_path / "x.kv").exists()
+
+
+# ---------------------------------------------------------------- manifest schema and versions
+
+
+def _body(path):
+    return json.loads((path / mf.MANIFEST_NAME).read_bytes())
+
+
+def _parse(body):
+    body["manifest_sha256"] = mf.checksum(body)
+    return mf.parse(json.dumps(body).encode(), "M")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda b: b["compression"]["quant"].update(bits=3),
+    lambda b: b["compression"]["quant"].update(bits=8.0),
+    lambda b: b["compression"]["quant"].update(group_size=0),
+    lambda b: b["compression"]["quant"].update(group_size=1 << 20),
+    lambda b: b["compression"]["quant"].update(exact_tokens=-1),
+    lambda b: b["compression"]["quant"].update(scale_dtype="bfloat16"),
+    lambda b: b["compression"]["quant"].update(keys="per_token"),
+    lambda b: b["compression"]["quant"].update(extra=1),
+    lambda b: b["compression"]["quant"].pop("values"),
+    lambda b: b["compression"].update(quant=[8]),
+    lambda b: b["compression"].update(transform="byteplane"),
+    lambda b: b["compression"].pop("quant"),  # version 2 needs the block
+    lambda b: b.update(format_version=1),  # version 1 has none
+    lambda b: b["layers"][0].update(decoded_bytes=b["layers"][0]["decoded_bytes"] + (1 << 20)),  # past the layout's bound
+], ids=lambda f: "")
+def test_manifest_refuses_bad_quant_blocks(caches, edit):
+    body = _body(caches[4])
+    _parse(json.loads(json.dumps(body)))  # the pristine one parses
+    edit(body)
+    with pytest.raises(CacheCorruptError):
+        _parse(body)
+
+
+@pytest.mark.parametrize("change", [{"group_size": 32}, {"exact_tokens": 0}, {"bits": 8}, {"scale_dtype": "float32"}])
+def test_a_consistent_manifest_with_another_scheme_fails_verify_and_restore(tiny_lm, caches, tmp_path, change):
+    """Within the header slack a manifest may name another scheme: each shard's layout check catches it."""
+    import shutil
+
+    path = tmp_path / "x.kv"
+    shutil.copytree(caches[4], path)
+    body = _body(path)
+    body["compression"]["quant"].update(change)
+    body["manifest_sha256"] = mf.checksum(body)
+    (path / mf.MANIFEST_NAME).write_text(json.dumps(body))
+    try:
+        store.read_manifest(path)
+    except CacheCorruptError:
+        return  # sizes no longer fit: refused even earlier
+    with pytest.raises(CacheCorruptError, match="layer_000"):
+        store.verify(path)
+    with pytest.raises(CacheCorruptError, match="layer_0"):
+        kvcli.Session(tiny_lm, path)
+
+
+def test_an_older_kvcli_says_the_version_is_not_supported(caches, monkeypatch):
+    monkeypatch.setattr(mf, "SUPPORTED_VERSIONS", (1,))
+    with pytest.raises(CacheVersionError, match="version 2 is not supported"):
+        store.read_manifest(caches[8])
+    store.read_manifest(caches[None])  # lossless caches stay version 1: older readers keep reading them
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def test_cli_prefill_kv_bits_and_info_ls_verify_show_the_scheme(tiny_model_dir, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(sample_text()[:1000], encoding="utf-8")
+    r = run("prefill", doc, "--model", tiny_model_dir, "--kv-bits", "4", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["storage"] == "4-bit" and "4-bit" in r.stderr
+    cache = tmp_path / "doc.kv"
+    r = run("info", cache)
+    assert r.exit_code == 0 and "4-bit" in r.stdout and "per channel" in r.stdout and "groups of 64" in r.stdout
+    info = json.loads(run("info", cache, "--json").stdout)
+    assert info["storage"] == "4-bit" and info["compression"]["quant"]["bits"] == 4 and info["format_version"] == 2
+    r = run("verify", cache)
+    assert r.exit_code == 0 and "4-bit" in r.stderr
+    assert json.loads(run("verify", cache, "--json").stdout)["storage"] == "4-bit"
+    r = run("ls", tmp_path)
+    assert r.exit_code == 0 and "4-bit" in r.stdout
+    assert json.loads(run("ls", tmp_path, "--json").stdout)[0]["storage"] == "4-bit"
+    r = run("ask", "--cache", cache, "Who is the licensor?", "--max-new-tokens", "3")
+    assert r.exit_code == 0 and r.stdout.strip()
+    assert_clean_error(run("prefill", doc, "--model", tiny_model_dir, "--kv-bits", "3", "-o", tmp_path / "y.kv"), 2, "--kv-bits")
