@@ -57,7 +57,7 @@ def test_bench_kv_bits_reports_size_restore_ttft_and_agreement_per_format(tiny_l
     doc = decode(sample_text()[:800].encode(), "doc.txt")
     qs = ["Who is the licensor?", "What is granted?", "Is there a warranty?"]
     result = bench.run(tiny_lm, doc, tokens=[96], questions=3, chunk_size=32, workdir=tmp_path, kv_bits=[8, 4],
-                       question_list=qs, answer_tokens=6)
+                       question_list=qs, agreement_tokens=6, answer_tokens=4)
     json.dumps(result)
     assert result["kv_bits"] == [8, 4] and result["questions"] == qs
     formats = result["sizes"][0]["formats"]

@@ -182,7 +182,8 @@ def verify(path: str | os.PathLike, *, decode: bool = True) -> mf.Manifest:
             data = cache.read_shard(i)
             if decode:
                 check_payload(data, where=str(cache.path / entry.file), transform=m.transform, dtype=m.dtype,
-                              key_shape=entry.key_shape, value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes)
+                              key_shape=entry.key_shape, value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes,
+                              quant=m.quant)
             del data
         return m
 
