@@ -134,7 +134,7 @@ def prefill(
     device: DeviceOpt = "auto",
     encoding: EncodingOpt = "utf-8",
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing cache.")] = False,
-    kv_bits: Annotated[Optional[int], typer.Option("--kv-bits", help="Store keys/values quantized to 8 or 4 bits (lossy, smaller; default: lossless).", show_default=False)] = None,
+    kv_bits: Annotated[Optional[int], typer.Option("--kv-bits", metavar="BITS", help="Store keys/values quantized to 8 or 4 bits (lossy, smaller; default: lossless).", show_default=False)] = None,
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
