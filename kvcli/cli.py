@@ -47,7 +47,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on 
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
 ServerOpt = Annotated[Optional[bool], typer.Option("--server/--no-server", help="Require a running `kvcli serve` / never use one (default: use one if it answers).", show_default=False)]
 SocketOpt = Annotated[Optional[Path], typer.Option("--socket", help="The server's socket (default: $KVCLI_SOCKET, else $KVCLI_HOME/kvcli.sock).", show_default=False)]
-FollowUpOpt = Annotated[Optional[Path], typer.Option("--follow-up", help="Continue the conversation of the last line of this `ask --json` output ('-' for stdin).", show_default=False)]
+FollowUpOpt = Annotated[Optional[Path], typer.Option("--follow-up", metavar="FILE", help="Continue the conversation of the last line of this `ask --json` output ('-' for stdin).", show_default=False)]
 
 
 class _Help(TyperCommand):
