@@ -53,8 +53,8 @@ def test_same_logits_and_tokens_as_sdpa(tokenizer, plain_tokenizer, monkeypatch,
         groups = model.config.num_attention_heads // (getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads)
         if groups > 1:
             assert (True, True) in calls  # masked attention ran on grouped heads without repeating them
-    else:  # softcapping (gemma2) is not sdpa's: the model keeps its own attention
-        assert model.config._attn_implementation == before
+    else:  # softcapping (gemma2) is not sdpa's: the model keeps its own eager attention, through kvcli's function
+        assert before == "eager" and model.config._attn_implementation == attention.EAGER_NAME
 
 
 def test_selection_is_per_model(tokenizer):

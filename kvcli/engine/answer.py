@@ -25,6 +25,7 @@ from .check import Check
 from .models import LoadedModel
 
 DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_BATCH = 8  # questions decoded together by ask_many (README, "Many questions at once")
 SPARE_CACHES = 2  # private copies of the document a Session keeps for concurrent questions
 TokenFn = Callable[[str], None]  # receives answer text as it becomes final
 
@@ -194,12 +195,7 @@ class Session:
             self._unreported_load = 0.0
         cached = len(self.token_ids)
         prompt = self.prompt_ids(question, history)
-        limit = self.lm.max_positions
-        max_new = opts.max_new_tokens
-        if limit:
-            if len(prompt) >= limit:
-                raise GenerationError(f"question too long: the prompt needs {len(prompt)} of the model's {limit} positions")
-            max_new = min(max_new, limit - len(prompt))
+        max_new = prompt_room(self.lm, prompt, opts)
         model = self.lm.model
         stream = _Stream(self.lm.tokenizer, opts.stop, on_text)
         kwargs = generate_kwargs(self.lm, opts, max_new)
@@ -245,6 +241,38 @@ class Session:
             check=checked,
             history=[{"question": q, "answer": a} for q, a in history],
         )
+
+
+    def ask_many(self, questions: Sequence[str], options: GenerationOptions | None = None, *,
+                 batch_size: int = DEFAULT_BATCH, on_text: Callable[[int, str], None] | None = None,
+                 on_answer: Callable[[int, Answer], None] | None = None) -> list[Answer]:
+        """Answer several questions together: each decoding step runs all of them (engine/batch.py), so the
+        weights are read once per step instead of once per question. Same answers as ask() (greedy), except
+        where batched kernels round a near-tie the other way. on_text(i, text) streams question i's text;
+        on_answer(i, answer) hands each answer over as soon as it is complete. batch_size=1 asks one by one."""
+        from . import attention, batch
+
+        opts = options or GenerationOptions()
+        if batch_size <= 1 or len(questions) <= 1 or not attention.batchable(self.lm.model):
+            answers = []
+            for i, q in enumerate(questions):
+                answers.append(self.ask(q, opts, on_text=(lambda t, i=i: on_text(i, t)) if on_text else None))
+                if on_answer:
+                    on_answer(i, answers[-1])
+            return answers
+        with self._spares_lock:
+            start = time.perf_counter() - self._unreported_load
+            self._unreported_load = 0.0
+        return batch.answer_many(self, questions, opts, batch_size=batch_size, start=start, on_text=on_text,
+                                 on_answer=on_answer)
+
+
+def prompt_room(lm: LoadedModel, prompt: Sequence[int], opts: GenerationOptions) -> int:
+    """How many answer tokens this prompt may have: --max-new-tokens within the model's positions."""
+    limit = lm.max_positions
+    if limit and len(prompt) >= limit:
+        raise GenerationError(f"question too long: the prompt needs {len(prompt)} of the model's {limit} positions")
+    return min(opts.max_new_tokens, limit - len(prompt)) if limit else opts.max_new_tokens
 
 
 def generate_kwargs(lm: LoadedModel, opts: GenerationOptions, max_new: int) -> dict[str, Any]:

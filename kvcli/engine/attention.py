@@ -1,17 +1,24 @@
-"""Grouped-query attention without repeating key/value heads, selected per model through AttentionInterface.
+"""kvcli's attention functions, registered through AttentionInterface and selected per model.
 
-transformers' sdpa attention copies every key/value head n_rep times before attending whenever a mask
-is given (a question after a cached document, a prefill chunk), unless a process-wide environment
-switch is set. kvcli registers its own attention function instead, which calls torch's sdpa with
-`enable_gqa=True`, and selects it only on models that run sdpa on the CPU, where it was measured
-faster and gives the same tokens (tests/test_attention.py). Everything else goes to transformers' sdpa.
+- Grouped-query attention without repeating key/value heads: transformers' sdpa attention copies every
+  key/value head n_rep times before attending whenever a mask is given (a question after a cached
+  document, a prefill chunk), unless a process-wide environment switch is set. kvcli registers its own
+  function, which calls torch's sdpa with `enable_gqa=True`, for models that run sdpa on the CPU,
+  where it was measured faster and gives the same tokens (tests/test_attention.py).
+- Cascade attention for many questions on one document (engine/batch.py): when a forward pass carries
+  a SharedPrefixCache (`kvcli_cache=`), every kvcli function attends over the shared document and each
+  question's own tokens instead; otherwise each does exactly what the model's own attention did
+  (sdpa, or the modeling file's eager function for models such as gemma2 that need softcapping).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-NAME = "kvcli_gqa_sdpa"
+NAME = "kvcli_gqa_sdpa"  # sdpa models on the CPU
+SDPA_NAME = "kvcli_sdpa"  # sdpa models elsewhere
+EAGER_NAME = "kvcli_eager"  # models that attend eagerly (softcapping)
+NAMES = (NAME, SDPA_NAME, EAGER_NAME)
 _registered = False
 
 
@@ -20,6 +27,9 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float
     """query [b, heads, q, d], key/value [b, kv_heads, kv, d] -> output [b, q, heads, d], as transformers' sdpa."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kwargs.get("kvcli_cache") is not None:
+        return shared_prefix_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     groups = getattr(module, "num_key_value_groups", 1)
     if (attention_mask is None or groups <= 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
@@ -33,32 +43,137 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float
     return out.transpose(1, 2).contiguous(), None
 
 
+def sdpa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """transformers' sdpa, or the cascade attention of a batch."""
+    if kwargs.get("kvcli_cache") is not None:
+        return shared_prefix_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def eager_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """The modeling file's own eager attention (its public eager_attention_forward), or a batch's cascade."""
+    if kwargs.get("kvcli_cache") is not None:
+        return shared_prefix_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    import importlib
+
+    own = importlib.import_module(type(module).__module__).eager_attention_forward
+    return own(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
 def register() -> str:
-    """Register kvcli's attention (and sdpa's mask builder under the same name) with transformers, once."""
+    """Register kvcli's attention functions (each with the mask builder of the attention it stands for), once."""
     global _registered
     if not _registered:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-        AttentionInterface.register(NAME, gqa_sdpa_attention)
-        AttentionMaskInterface.register(NAME, sdpa_mask)
+        for name, fn, mask in ((NAME, gqa_sdpa_attention, sdpa_mask), (SDPA_NAME, sdpa_attention, sdpa_mask),
+                               (EAGER_NAME, eager_attention, eager_mask)):
+            AttentionInterface.register(name, fn)
+            AttentionMaskInterface.register(name, mask)
         _registered = True
     return NAME
 
 
 def select(model: Any) -> bool:
-    """Switch this model (only) to kvcli's attention when it runs sdpa on the CPU; True if switched."""
+    """Switch this model (only) to the kvcli function standing for its attention; True if switched.
+
+    sdpa on the CPU gets grouped-query sdpa; sdpa elsewhere and eager attention get functions that do
+    exactly what they did, plus the cascade path of batched questions. Other attentions are left alone
+    (batched questions then run one at a time)."""
     import torch
 
-    if getattr(model.config, "_attn_implementation", None) != "sdpa" or torch.device(model.device).type != "cpu":
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == "sdpa":
+        name = NAME if torch.device(model.device).type == "cpu" else SDPA_NAME
+    elif impl == "eager":
+        name = EAGER_NAME
+    else:
         return False
-    model.set_attn_implementation(register())
-    return model.config._attn_implementation == NAME
+    register()
+    model.set_attn_implementation(name)
+    return model.config._attn_implementation == name
 
 
 def kernel_name(implementation: str | None) -> str:
-    """The attention kernel behind an implementation name, as caches record it: kvcli's is torch's sdpa
-    (same kernel, grouped heads read in place; tests/test_attention.py shows identical logits)."""
-    if implementation == NAME:
+    """The attention kernel behind an implementation name, as caches record it: kvcli's functions run
+    torch's sdpa or the model's own eager attention (tests/test_attention.py shows identical logits)."""
+    if implementation in (NAME, SDPA_NAME):
         return "sdpa"
+    if implementation == EAGER_NAME:
+        return "eager"
     return str(implementation or "unknown")
+
+
+def batchable(model: Any) -> bool:
+    """Whether the model attends through kvcli's functions, which can run many questions at once."""
+    return getattr(model.config, "_attn_implementation", None) in NAMES
+
+
+def shared_prefix_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
+                            softcap=None, **kwargs):
+    """Attention of queries [active, heads, q, dim] over the shared document plus each row's own tokens.
+
+    Two softmax parts combined exactly through their maxima and sums (as flash attention does across
+    blocks). `key`/`value` are the layer's whole suffix buffers; the rows and slots come from the step.
+    """
+    import torch
+
+    layer = kwargs["kvcli_cache"].layers[module.layer_idx]
+    step = layer.step  # batch.Step
+    a, heads, q, dim = query.shape
+    kv_heads = layer.prefix_keys.shape[1]
+    rep = heads // kv_heads
+    scale = scaling if scaling is not None else dim**-0.5
+    work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    qf = query.to(work) * scale
+    # slot of every query token in its row: [active, q]
+    slots = step.offsets[:, None] + torch.arange(q, device=query.device)[None, :]
+
+    # Part 1: every row's queries against the one copy of the document: [kv_heads, active*rep*q, cached]
+    pk, pv = layer.prefix_keys[0].to(work), layer.prefix_values[0].to(work)
+    qp = qf.reshape(a, kv_heads, rep * q, dim).transpose(0, 1).reshape(kv_heads, a * rep * q, dim)
+    s1 = torch.matmul(qp, pk.transpose(-1, -2))
+    if softcap:
+        s1 = torch.tanh(s1 / softcap) * softcap
+    if layer.sliding_window is not None:  # the document's last keys sit at positions length-cached .. length-1
+        cached = pk.shape[-2]
+        key_pos = layer.prefix_length - cached + torch.arange(cached, device=query.device)  # [cached]
+        query_pos = layer.prefix_length + slots  # [active, q]
+        allowed = (query_pos[..., None] - key_pos) < layer.sliding_window  # [active, q, cached]
+        allowed = allowed[:, None].expand(a, rep, q, cached).reshape(1, a * rep * q, cached)
+        s1 = s1.masked_fill(~allowed, float("-inf"))
+    m1 = s1.amax(-1, keepdim=True)
+    e1 = torch.exp(s1 - m1.clamp_min(torch.finfo(work).min))  # a fully masked row stays all-zero
+    l1 = e1.sum(-1, keepdim=True)
+    o1 = torch.matmul(e1, pv)  # [kv_heads, active*rep*q, vdim]
+    vdim = o1.shape[-1]
+    o1 = o1.reshape(kv_heads, a, rep * q, vdim).transpose(0, 1)  # [active, kv_heads, rep*q, vdim]
+    m1 = m1.reshape(kv_heads, a, rep * q, 1).transpose(0, 1)
+    l1 = l1.reshape(kv_heads, a, rep * q, 1).transpose(0, 1)
+
+    # Part 2: each row against its own tokens: [active, kv_heads, rep*q, used]
+    used = int(step.offsets.max()) + q
+    sk = key.index_select(0, step.rows)[:, :, :used].to(work)
+    sv = value.index_select(0, step.rows)[:, :, :used].to(work)
+    s2 = torch.matmul(qf.reshape(a, kv_heads, rep * q, dim), sk.transpose(-1, -2))
+    if softcap:
+        s2 = torch.tanh(s2 / softcap) * softcap
+    key_slot = torch.arange(used, device=query.device)
+    allowed = key_slot[None, None, :] <= slots[..., None]  # causal within the row: [active, q, used]
+    if layer.sliding_window is not None:
+        allowed &= (slots[..., None] - key_slot[None, None, :]) < layer.sliding_window
+    allowed = allowed[:, None, None].expand(a, kv_heads, rep, q, used).reshape(a, kv_heads, rep * q, used)
+    s2 = s2.masked_fill(~allowed, float("-inf"))
+    m2 = s2.amax(-1, keepdim=True)  # finite: every query sees its own token
+    e2 = torch.exp(s2 - m2)
+    l2 = e2.sum(-1, keepdim=True)
+    o2 = torch.matmul(e2, sv)
+
+    m = torch.maximum(m1, m2)
+    w1, w2 = torch.exp(m1 - m), torch.exp(m2 - m)
+    out = (o1 * w1 + o2 * w2) / (l1 * w1 + l2 * w2)  # [active, kv_heads, rep*q, vdim]
+    out = out.reshape(a, heads, q, vdim).transpose(1, 2).to(query.dtype)  # [active, q, heads, vdim]
+    return out.contiguous(), None
