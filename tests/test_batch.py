@@ -94,3 +94,25 @@ def test_batch_size_one_asks_one_by_one(arch):
     opts = kvcli.GenerationOptions(max_new_tokens=6)
     assert [m.answer_token_ids for m in session.ask_many(QUESTIONS[:2], opts, batch_size=1)] == \
         [session.ask(q, opts).answer_token_ids for q in QUESTIONS[:2]]
+
+
+def test_cli_batched_output_equals_one_by_one(tiny_model_dir, tmp_path):
+    """`ask` answers several questions together by default; stdout (plain and JSON) is what one by one gives."""
+    from tests.helpers import json_lines, run
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The licensor is Example Corp. The licence ends when a patent suit is filed. " * 20)
+    cache = tmp_path / "doc.kv"
+    assert run("prefill", doc, "-o", cache, "--model", tiny_model_dir, "-q").exit_code == 0
+    qs = list(QUESTIONS)
+    common = ["ask", "-c", cache, *qs, "--model", tiny_model_dir, "--max-new-tokens", "7", "--no-server"]
+    one = run(*common, "--batch-size", "1")
+    together = run(*common, "--batch-size", "3")
+    assert one.exit_code == together.exit_code == 0, together.stderr
+    assert together.stdout == one.stdout and together.stdout.count("\n") >= len(qs)
+    one_j, together_j = run(*common, "--batch-size", "1", "--json"), run(*common, "--json")
+    a, b = json_lines(one_j.stdout), json_lines(together_j.stdout)
+    assert [x["question"] for x in b] == qs  # question order, whatever order they finished in
+    for x, y in zip(a, b):
+        for key in ("answer", "answer_token_ids", "prompt_token_ids", "processed_tokens", "finish_reason", "served"):
+            assert x[key] == y[key], key
