@@ -270,10 +270,12 @@ def _ratios(r: dict[str, Any]) -> dict[str, float]:
 
 @contextmanager
 def _plain_attention(model):
-    """Baselines run transformers' own sdpa attention, not the one kvcli selects for its model."""
+    """Baselines run transformers' own attention (sdpa or eager), not the kvcli function selected for the model."""
+    from .engine.attention import kernel_name
+
     was = model.config._attn_implementation
-    if was != "sdpa" and was.startswith("kvcli"):
-        model.set_attn_implementation("sdpa")
+    if was.startswith("kvcli"):
+        model.set_attn_implementation(kernel_name(was))
     try:
         yield
     finally:

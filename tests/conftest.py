@@ -113,12 +113,14 @@ def default_lm(session_home):
 def reference_answer(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy answer ids from generate() on the full prompt with no cache: the ground truth.
 
-    Run with transformers' own attention (sdpa), not the one kvcli selected for the model."""
+    Run with transformers' own attention (sdpa or eager), not the kvcli function selected for the model."""
     import torch
+
+    from kvcli.engine.attention import kernel_name
 
     was = model.config._attn_implementation
     if was.startswith("kvcli"):
-        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation(kernel_name(was))
     try:
         with torch.inference_mode():
             out = model.generate(
