@@ -47,7 +47,16 @@ def main() -> None:
     print(json.dumps({"questions": len(qs), "new_tokens": args.tokens, "batch_size": args.batch_size or len(qs),
                       "document_tokens": len(session.token_ids), "one_by_one_s": round(t_single, 2),
                       "ask_many_s": round(t_many, 2), "speedup": round(t_single / t_many, 2), "identical": same,
-                      "peak_rss_growth_one_by_one_mb": round(r1 - r0, 1), "peak_rss_growth_ask_many_mb": round(r2 - r1, 1)}))
+                      "batch_buffers_mb": round(_buffers(session, qs, args) / 1e6, 1),
+                      "document_cache_mb": round(sum(s.keys.nbytes + s.values.nbytes for s in session.states) / 1e6, 1)}))
+
+
+def _buffers(session, qs, args) -> int:
+    """Bytes of the suffix rows ask_many allocates: rows x layers x (keys + values) x (longest question + answer)."""
+    rows = min(args.batch_size or len(qs), len(qs))
+    longest = max(len(session.prompt_ids(q)) - len(session.token_ids) for q in qs) + args.tokens
+    return sum(rows * (s.keys.shape[1] * s.keys.shape[3] + s.values.shape[1] * s.values.shape[3]) * longest * s.keys.element_size()
+               for s in session.states)
 
 
 if __name__ == "__main__":
