@@ -46,7 +46,8 @@ EncodingOpt = Annotated[str, typer.Option(metavar="NAME", help="Text encoding of
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
 ServerOpt = Annotated[Optional[bool], typer.Option("--server/--no-server", help="Require a running `kvcli serve` / never use one (default: use one if it answers).", show_default=False)]
-SocketOpt = Annotated[Optional[Path], typer.Option("--socket", help="The server's socket (default: $KVCLI_SOCKET, else $KVCLI_HOME/kvcli.sock).", show_default=False)]
+SocketOpt = Annotated[Optional[Path], typer.Option("--socket", metavar="PATH", help="The server's socket (default: $KVCLI_SOCKET, else $KVCLI_HOME/kvcli.sock).", show_default=False)]
+CacheDtypeOpt = Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(help="Compute dtype (default: the cache's).")]
 FollowUpOpt = Annotated[Optional[Path], typer.Option("--follow-up", metavar="FILE", help="Continue the conversation of the last line of this `ask --json` output ('-' for stdin).", show_default=False)]
 
 
@@ -302,7 +303,7 @@ def ask(
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     device: DeviceOpt = "auto",
-    dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(help="Compute dtype (default: the cache's).")] = None,
+    dtype: CacheDtypeOpt = None,
     convert_dtype: Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")] = False,
     null: Annotated[bool, typer.Option("--null", "-0", help="End each plain answer with a NUL byte instead of a newline.")] = False,
     check: Annotated[bool, typer.Option("--check", help="Also run each prompt and answer once without the cache and compare logits "
@@ -554,17 +555,17 @@ def _gather_questions(args: list[str], questions_file: Optional[str]) -> list[st
 
 @command
 def chat(
-    cache: Annotated[str, typer.Option("--cache", "-c", help="Cache of the document to talk about: a folder or a URL.")],
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens per answer.")] = 256,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 for greedy (default).")] = 0.0,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling threshold (with --temperature).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for reproducible sampling.")] = None,
-    stop: Annotated[list[str], typer.Option(help="End an answer at this string (repeatable).")] = [],  # noqa: B006
+    cache: Annotated[str, typer.Option("--cache", "-c", metavar="CACHE", help="Cache of the document to talk about: a folder or a URL.")],
+    max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens per answer.")] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0, metavar="T", help="0 for greedy (default).")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, metavar="P", help="Nucleus sampling threshold (with --temperature).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(metavar="S", help="Seed for reproducible sampling.")] = None,
+    stop: Annotated[list[str], typer.Option(metavar="TEXT", help="End an answer at this string (repeatable).", show_default=False)] = [],  # noqa: B006
     follow_up: FollowUpOpt = None,
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     device: DeviceOpt = "auto",
-    dtype: Annotated[Optional[str], typer.Option(help="Compute dtype (default: the cache's).")] = None,
+    dtype: CacheDtypeOpt = None,
     convert_dtype: Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")] = False,
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
@@ -891,13 +892,13 @@ def bench(
 @command
 def serve(
     socket: SocketOpt = None,
-    max_memory: Annotated[Optional[str], typer.Option(help="Most memory for models and caches, e.g. 8G or 512M (default: half the RAM).", show_default=False)] = None,
-    idle_timeout: Annotated[Optional[str], typer.Option(help="Exit after this long unused, e.g. 30s, 10m, 2h (default: never).", show_default=False)] = None,
+    max_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Most memory for models and caches, e.g. 8G or 512M (default: half the RAM).", show_default=False)] = None,
+    idle_timeout: Annotated[Optional[str], typer.Option(metavar="DURATION", help="Exit after this long unused, e.g. 30s, 10m, 2h (default: never).", show_default=False)] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Run in the background: print its pid once it answers; log to $KVCLI_HOME/serve.log.")] = False,
     stop: Annotated[bool, typer.Option("--stop", help="Stop the server running on the socket.")] = False,
-    http_at: Annotated[Optional[str], typer.Option("--http", help="Also serve the caches under --docs as OpenAI-compatible models at HOST:PORT (needs kvcli[serve]).", show_default=False)] = None,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="KVCLI_API_KEY", help="Bearer token HTTP clients must send; required unless HOST is loopback ($KVCLI_API_KEY).", show_default=False)] = None,
-    docs: Annotated[list[Path], typer.Option("--docs", help="Folder whose caches --http offers as models (repeatable; default: the current folder).")] = [],  # noqa: B006
+    http_at: Annotated[Optional[str], typer.Option("--http", metavar="HOST:PORT", help="Also serve the caches under --docs as OpenAI-compatible models at HOST:PORT (needs kvcli[serve]).", show_default=False)] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", envvar="KVCLI_API_KEY", help="Bearer token HTTP clients must send; required unless HOST is loopback ($KVCLI_API_KEY).", show_default=False)] = None,
+    docs: Annotated[list[Path], typer.Option("--docs", metavar="DIR", show_default=False, help="Folder whose caches --http offers as models (repeatable; default: the current folder).")] = [],  # noqa: B006
     quiet: QuietOpt = False,
 ) -> int:
     """Keep models and restored caches warm on a unix socket; ask and prefill use it when it runs."""

@@ -83,7 +83,7 @@ def test_empty_question_on_stdin_is_a_usage_error(cache_dir):
 
 
 def test_help_shows_choices_and_no_type_labels():
-    for cmd in ("prefill", "ask", "count", "info", "verify", "ls", "rm", "prune", "bench"):
+    for cmd in ("prefill", "ask", "chat", "count", "info", "verify", "ls", "rm", "prune", "bench", "serve", "ps"):
         result = run(cmd, "--help")
         assert result.exit_code == 0, result.stderr
         for label in ("<bool>", "<list[", "<str>", "<path>", "<int>", "<int range>", "<float>", "<float range>", "<Path"):
