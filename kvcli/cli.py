@@ -338,7 +338,7 @@ def ask(
                    "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size}
         fields = {"caches": [os.path.abspath(c) for c in cache], "questions": qs, "options": options, "model": _client_model(model),
                   "revision": revision, "device": device, "dtype": dtype, "convert_dtype": convert_dtype,
-                  "trust_remote_code": trust_remote_code, "stream": not json_out}
+                  "trust_remote_code": trust_remote_code, "stream": not json_out, "batch_size": batch_size}
         if earlier is not None:
             fields.update(follow_up=earlier, follow_up_name=str(follow_up))
 
@@ -411,30 +411,9 @@ def ask(
 def _ask_together(session, qs: list[str], opts, batch_size: int, begin, finish, write) -> None:
     """Session.ask_many, rendered in question order: the first unfinished question's answer streams live,
     later ones are held until it completes (each JSON line, as before, when its answer is complete)."""
-    held: dict[int, str] = {}
-    done: dict[int, object] = {}
-    head = 0
-    begin(qs[0])
+    from .engine.batch import in_order
 
-    def text(i: int, t: str) -> None:
-        if write is None:
-            return
-        if i == head:
-            write(t)
-        else:
-            held[i] = held.get(i, "") + t
-
-    def answered(i: int, a) -> None:
-        nonlocal head
-        done[i] = a
-        while head in done:
-            finish(done.pop(head))
-            head += 1
-            if head < len(qs):
-                begin(qs[head])
-                if write is not None and held.get(head):
-                    write(held.pop(head))
-
+    text, answered = in_order(len(qs), lambda i: begin(qs[i]), lambda _i, a: finish(a), write)
     session.ask_many(qs, opts, batch_size=batch_size, on_text=text, on_answer=answered)
 
 
@@ -899,6 +878,7 @@ def serve(
     http_at: Annotated[Optional[str], typer.Option("--http", metavar="HOST:PORT", help="Also serve the caches under --docs as OpenAI-compatible models at HOST:PORT (needs kvcli[serve]).", show_default=False)] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", envvar="KVCLI_API_KEY", help="Bearer token HTTP clients must send; required unless HOST is loopback ($KVCLI_API_KEY).", show_default=False)] = None,
     docs: Annotated[list[Path], typer.Option("--docs", metavar="DIR", show_default=False, help="Folder whose caches --http offers as models (repeatable; default: the current folder).")] = [],  # noqa: B006
+    batch_size: Annotated[int, typer.Option(min=1, metavar="N", help="Questions on one document decoded together, from any clients (1: one at a time).")] = 8,
     quiet: QuietOpt = False,
 ) -> int:
     """Keep models and restored caches warm on a unix socket; ask and prefill use it when it runs."""
@@ -927,6 +907,7 @@ def serve(
         return 0
     if detach:
         args = (["--max-memory", max_memory] if max_memory else []) + (["--idle-timeout", idle_timeout] if idle_timeout else [])
+        args += ["--batch-size", str(batch_size)]
         if http_at:
             args += ["--http", http_at, *[a for d in docs for a in ("--docs", str(d))]]
         pid = sv.detach(path, args, env={"KVCLI_API_KEY": api_key} if api_key else None)  # the key never on a command line
@@ -935,7 +916,7 @@ def serve(
         return 0
     from .serve.warm import Warm
 
-    server = sv.Server(path, Warm(size), idle_timeout=idle, log=out.note)
+    server = sv.Server(path, Warm(size, batch_size=batch_size), idle_timeout=idle, log=out.note)
     with out.status("starting"):
         server.start()
     web = None

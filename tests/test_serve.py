@@ -82,6 +82,26 @@ def test_json_answers_are_identical_but_for_timing_and_served(here):
     assert served[0]["cache"] == "ref-a.kv"  # the path as the user spelled it
 
 
+def _batch_of(server, cache) -> dict:
+    (row,) = [c for c in server.server.warm.status()["caches"] if c["path"] == str(cache)]
+    return row["batch"]
+
+
+def test_questions_of_one_request_decode_together(here, server):
+    for name in ("together.kv", "apart.kv"):
+        shutil.copytree(here / "ref-b.kv", here / name, dirs_exist_ok=True)
+    args = ("ask", *QUESTIONS, "--max-new-tokens", "10")
+    together = run(*args, "-c", "together.kv", "--server")
+    apart = run(*args, "-c", "apart.kv", "--server", "--batch-size", "1")
+    local = run(*args, "-c", "together.kv", "--no-server", "--batch-size", "1")
+    assert together.exit_code == apart.exit_code == local.exit_code == 0, together.stderr
+    assert together.stdout == apart.stdout == local.stdout and together.stdout.count("\n") == len(QUESTIONS)
+    assert _batch_of(server, here / "together.kv")["peak_rows"] == len(QUESTIONS)  # one forward pass ran all three
+    assert _batch_of(server, here / "apart.kv")["steps"] == 0  # --batch-size 1: each question answered whole, as in-process
+    ps = json.loads(run("ps", "--json").stdout)
+    assert any(c["batch"] == {"width": 8, "steps": c["batch"]["steps"], "peak_rows": 3} for c in ps["caches"])
+
+
 def test_errors_are_the_same_through_the_server(here, world):
     for args in (("-c", "gone.kv", "-c", "ref-a.kv", "Q?"), ("-c", "other.kv", "Q?", "--model", str(world["model"])), ("-c", "gone.kv", "Q?")):
         served = run("ask", "--max-new-tokens", "4", *args)
@@ -111,7 +131,8 @@ def test_served_client_imports_nothing_heavy(here):
         "from kvcli.cli import app\n"
         "try:\n    app(['ask', '-c', 'ref-a.kv', 'What?', '--max-new-tokens', '4', '--server'], prog_name='kvcli')\n"
         "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
-        "heavy = [m for m in ('torch', 'transformers', 'safetensors', 'numpy') if m in sys.modules]\n"
+        # pydantic: typer 0.29+ imports it to coerce options, 90 ms of every served `ask` (pinned below 0.29)
+        "heavy = [m for m in ('torch', 'transformers', 'safetensors', 'numpy', 'pydantic') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     proc = run_python(code, env=dict(os.environ))

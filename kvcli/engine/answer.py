@@ -156,6 +156,13 @@ class Session:
         limit = self.lm.max_positions
         return None if not limit else limit - len(self.prompt_ids(question, history))
 
+    def clock(self) -> float:
+        """When a question starts, for its timings: now, less the cache's load while no question has paid for it."""
+        with self._spares_lock:
+            start = time.perf_counter() - self._unreported_load
+            self._unreported_load = 0.0
+        return start
+
     @contextmanager
     def _checkout(self):
         """A cache at the document's length for one question: the Session's own when free, else a private copy."""
@@ -190,9 +197,7 @@ class Session:
         import torch
 
         opts = options or GenerationOptions()
-        with self._spares_lock:
-            start = time.perf_counter() - self._unreported_load  # the first question pays for the load
-            self._unreported_load = 0.0
+        start = self.clock()
         cached = len(self.token_ids)
         prompt = self.prompt_ids(question, history)
         max_new = prompt_room(self.lm, prompt, opts)
@@ -260,9 +265,7 @@ class Session:
                 if on_answer:
                     on_answer(i, answers[-1])
             return answers
-        with self._spares_lock:
-            start = time.perf_counter() - self._unreported_load
-            self._unreported_load = 0.0
+        start = self.clock()
         return batch.answer_many(self, questions, opts, batch_size=batch_size, start=start, on_text=on_text,
                                  on_answer=on_answer)
 

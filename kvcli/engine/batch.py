@@ -134,75 +134,125 @@ class Row:
     finish_reason: str = ""
 
 
-def decode_rows(model: Any, states: Sequence[Any], rows: list[Row], *, batch_size: int, eos: set[int],
-                pad_id: int, done: Callable[[Row], None] | None = None) -> None:
-    """Run every row to its end, at most batch_size at once; rows fill in place (answer, timings)."""
-    if not rows:
-        return
-    device = states[0].keys.device
-    cached_length = states[0].seq_length
-    width = min(batch_size, len(rows))
-    longest = max(len(r.appended) + r.max_new for r in rows)
-    cache = SharedPrefixCache(states, width, min(longest, max(len(r.appended) for r in rows) + GROW_TOKENS))
-    waiting = list(rows)
-    active: list[Row] = []
-    free = list(range(width))
-    mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)  # a 4D mask is passed through as-is
+class Decoder:
+    """The batch, one step at a time: rows join between steps, leave when finished (or dropped).
 
-    def forward(batch: list[Row], ids: torch.Tensor, uniform: int | None) -> torch.Tensor:
+    Holds at most `width` rows in a SharedPrefixCache over the document's `states`; the suffix buffers
+    exist only while rows do. step() runs one forward pass: the joining rows' own tokens if any wait
+    (they share one padded pass), else one new token for every active row.
+    """
+
+    def __init__(self, model: Any, states: Sequence[Any], *, width: int, eos: set[int], pad_id: int):
+        self.model, self.states, self.width, self.eos, self.pad_id = model, states, width, eos, pad_id
+        self.device = states[0].keys.device
+        self.cached_length = states[0].seq_length
+        self.cache: SharedPrefixCache | None = None
+        self.waiting: list[Row] = []
+        self.active: list[Row] = []
+        self.free = list(range(width))
+        self.mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # a 4D mask is passed as-is
+        self.last_rows = 0  # rows in the latest forward pass
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def add(self, row: Row) -> None:
+        self.waiting.append(row)
+
+    def drop(self, row: Row) -> None:
+        """Take a row out (its asker left): it frees its slot and is never finished."""
+        if row in self.waiting:
+            self.waiting.remove(row)
+        elif row in self.active:
+            self.active.remove(row)
+            self.free.append(row.slot)
+        self._release_if_idle()
+
+    def _release_if_idle(self) -> None:
+        if not self.busy:
+            self.cache = None  # the suffix buffers; the document's states are never the Decoder's
+
+    def _forward(self, batch: list[Row], ids: torch.Tensor, uniform: int | None) -> torch.Tensor:
         q = ids.shape[1]
         need = max(r.offset for r in batch) + q
-        if need > cache.capacity:
-            cache.grow(min(longest, need + GROW_TOKENS) if need <= longest else need)
-        offsets = torch.tensor([r.offset for r in batch], device=device)
-        cache.begin(Step(torch.tensor([r.slot for r in batch], device=device), offsets, uniform, q))
-        positions = cached_length + offsets[:, None] + torch.arange(q, device=device)[None, :]  # [active, q]
-        out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
-                    kvcli_cache=cache)
+        longest = max(len(r.appended) + r.max_new for r in self.active + batch)
+        if self.cache is None:
+            self.cache = SharedPrefixCache(self.states, self.width, max(need, min(longest, need + GROW_TOKENS)))
+        elif need > self.cache.capacity:
+            self.cache.grow(max(need, min(longest, need + GROW_TOKENS)))
+        cache = self.cache
+        self.last_rows = len(batch)
+        offsets = torch.tensor([r.offset for r in batch], device=self.device)
+        cache.begin(Step(torch.tensor([r.slot for r in batch], device=self.device), offsets, uniform, q))
+        positions = self.cached_length + offsets[:, None] + torch.arange(q, device=self.device)[None, :]  # [active, q]
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=self.mask, cache=cache, use_cache=True,
+                         kvcli_cache=cache)
         return out.logits  # [active, q, vocab]
 
-    def take(row: Row, logits: torch.Tensor) -> None:
+    def _take(self, row: Row, logits: torch.Tensor) -> None:
         token = row.choose(row.prompt + row.answer, logits)
         if row.first_token_at is None:
             row.first_token_at = time.perf_counter()
         row.answer.append(token)
         stopped = row.on_token(token)
-        if stopped or token in eos:
+        if stopped or token in self.eos:
             row.finish_reason = "stop"
         elif len(row.answer) >= row.max_new:
             row.finish_reason = "length"
 
-    with torch.inference_mode():
-        while waiting or active:
+    def step(self) -> list[Row]:
+        """One forward pass; returns the rows it finished (their slots are free again)."""
+        with torch.inference_mode():
             joining = []
-            while waiting and free:
-                row = waiting.pop(0)
-                row.slot, row.offset = free.pop(0), 0
+            while self.waiting and self.free:
+                row = self.waiting.pop(0)
+                row.slot, row.offset = self.free.pop(0), 0
                 joining.append(row)
             if joining:  # the questions' own ids, right-padded; pads are never attended by real tokens
                 q = max(len(r.appended) for r in joining)
-                ids = torch.full((len(joining), q), pad_id, dtype=torch.long, device=device)
+                ids = torch.full((len(joining), q), self.pad_id, dtype=torch.long, device=self.device)
                 for i, r in enumerate(joining):
-                    ids[i, : len(r.appended)] = torch.tensor(r.appended, device=device)
-                logits = forward(joining, ids, 0)
+                    ids[i, : len(r.appended)] = torch.tensor(r.appended, device=self.device)
+                try:
+                    logits = self._forward(joining, ids, 0)
+                except BaseException:  # they wait again (the caller decides whether to drop them)
+                    self.free.extend(r.slot for r in joining)
+                    self.waiting[:0] = joining
+                    raise
+                self.active += joining
                 for i, r in enumerate(joining):
                     r.offset = len(r.appended)
                     r.processed += len(r.appended)
-                    take(r, logits[i, len(r.appended) - 1].float())
-                active += joining
-            else:
-                ids = torch.tensor([[r.answer[-1]] for r in active], device=device)
-                logits = forward(active, ids, None)
-                for i, r in enumerate(active):
+                    self._take(r, logits[i, len(r.appended) - 1].float())
+            elif self.active:
+                ids = torch.tensor([[r.answer[-1]] for r in self.active], device=self.device)
+                logits = self._forward(self.active, ids, None)
+                for i, r in enumerate(self.active):
                     r.offset += 1
                     r.processed += 1
-                    take(r, logits[i, 0].float())
-            for r in [r for r in active if r.finish_reason]:
-                r.finished_at = time.perf_counter()
-                active.remove(r)
-                free.append(r.slot)
-                if done:
-                    done(r)
+                    self._take(r, logits[i, 0].float())
+        finished = [r for r in self.active if r.finish_reason]
+        for r in finished:
+            r.finished_at = time.perf_counter()
+            self.active.remove(r)
+            self.free.append(r.slot)
+        self._release_if_idle()
+        return finished
+
+
+def decode_rows(model: Any, states: Sequence[Any], rows: list[Row], *, batch_size: int, eos: set[int],
+                pad_id: int, done: Callable[[Row], None] | None = None) -> None:
+    """Run every row to its end, at most batch_size at once; rows fill in place (answer, timings)."""
+    if not rows:
+        return
+    decoder = Decoder(model, states, width=min(batch_size, len(rows)), eos=eos, pad_id=pad_id)
+    for row in rows:
+        decoder.add(row)
+    while decoder.busy:
+        for row in decoder.step():
+            if done:
+                done(row)
 
 
 def greedy(_ids: list[int], logits: torch.Tensor) -> int:
@@ -261,38 +311,25 @@ def chooser(lm: Any, options: Any) -> Callable[[list[int], torch.Tensor], int]:
     return choose
 
 
-def answer_many(session: Any, questions: Sequence[str], options: Any, *, batch_size: int, start: float,
-                on_text: Callable[[int, str], None] | None = None,
-                on_answer: Callable[[int, Any], None] | None = None) -> list[Any]:
-    """Answer every question from the session's document, at most batch_size decoding together.
+@dataclass
+class Question:
+    """One question's row and its text stream, built (and checked: prompt room) before it joins a batch."""
 
-    Answers come back in question order; on_text(i, text) gets question i's settled text as it comes,
-    on_answer(i, answer) each answer as soon as it is complete (in the order they finish).
-    """
-    from .answer import Answer, _Stream, prompt_room
+    text: str
+    row: Row
+    stream: Any  # answer._Stream
+    history: Sequence[Any] = ()
 
-    lm = session.lm
-    model, tok = lm.model, lm.tokenizer
-    cached = len(session.token_ids)
-    rows, streams, answers = [], [], [None] * len(questions)
-    for i, q in enumerate(questions):
-        prompt = session.prompt_ids(q)
-        stream = _Stream(tok, options.stop, (lambda text, i=i: on_text(i, text)) if on_text else None)
-        stream.prompt_seen = True  # tokens are handed over one by one, never the prompt
-        streams.append(stream)
+    def answer(self, session: Any, start: float) -> Any:
+        """The finished row as an Answer (timings counted from `start`)."""
+        from .answer import Answer
 
-        def on_token(token: int, stream=stream) -> bool:
-            stream.put(torch.tensor([token]))
-            return stream.stopped
-
-        rows.append(Row(index=i, prompt=prompt, appended=prompt[cached:], max_new=prompt_room(lm, prompt, options),
-                        choose=chooser(lm, options), on_token=on_token))
-
-    def done(r: Row) -> None:
-        streams[r.index].end()
-        answers[r.index] = a = Answer(
-            question=questions[r.index],
-            answer=streams[r.index].text(),
+        r = self.row
+        self.stream.end()
+        cached = len(session.token_ids)
+        return Answer(
+            question=self.text,
+            answer=self.stream.text(),
             prompt_token_ids=r.prompt,
             answer_token_ids=r.answer,
             cached_tokens=cached,
@@ -302,10 +339,79 @@ def answer_many(session: Any, questions: Sequence[str], options: Any, *, batch_s
             total_s=r.finished_at - start,
             finish_reason=r.finish_reason,
             cache=str(session.path),
+            history=[{"question": q, "answer": a} for q, a in self.history],
         )
+
+
+def question(session: Any, index: int, text: str, options: Any, *, history: Sequence[Any] = (),
+             on_text: Callable[[str], None] | None = None) -> Question:
+    """The row for one question on the session's document (raises GenerationError if its prompt does not fit)."""
+    from .answer import _Stream, prompt_room
+
+    lm = session.lm
+    prompt = session.prompt_ids(text, history)
+    stream = _Stream(lm.tokenizer, options.stop, on_text)
+    stream.prompt_seen = True  # tokens are handed over one by one, never the prompt
+
+    def on_token(token: int) -> bool:
+        stream.put(torch.tensor([token]))
+        return stream.stopped
+
+    row = Row(index=index, prompt=prompt, appended=prompt[len(session.token_ids):], max_new=prompt_room(lm, prompt, options),
+              choose=chooser(lm, options), on_token=on_token)
+    return Question(text, row, stream, tuple(history))
+
+
+def answer_many(session: Any, questions: Sequence[str], options: Any, *, batch_size: int, start: float,
+                on_text: Callable[[int, str], None] | None = None,
+                on_answer: Callable[[int, Any], None] | None = None) -> list[Any]:
+    """Answer every question from the session's document, at most batch_size decoding together.
+
+    Answers come back in question order; on_text(i, text) gets question i's settled text as it comes,
+    on_answer(i, answer) each answer as soon as it is complete (in the order they finish).
+    """
+    model = session.lm.model
+    asked = [question(session, i, q, options, on_text=(lambda text, i=i: on_text(i, text)) if on_text else None)
+             for i, q in enumerate(questions)]
+    answers: list[Any] = [None] * len(questions)
+
+    def done(r: Row) -> None:
+        answers[r.index] = a = asked[r.index].answer(session, start)
         if on_answer:
             on_answer(r.index, a)
 
-    decode_rows(model, session.states, rows, batch_size=batch_size, eos=eos_ids(model), pad_id=padding_id(tok, model),
-                done=done)
+    decode_rows(model, session.states, [a.row for a in asked], batch_size=batch_size, eos=eos_ids(model),
+                pad_id=padding_id(session.lm.tokenizer, model), done=done)
     return answers
+
+
+def in_order(count: int, begin: Callable[[int], None], finish: Callable[[int, Any], None],
+             write: Callable[[str], None] | None) -> tuple[Callable[[int, str], None], Callable[[int, Any], None]]:
+    """(on_text, on_answer) that render answers finishing in any order as if asked one by one: the first
+    unfinished question's text streams live through write(), later ones are held until it completes;
+    begin(i) runs before question i's text, finish(i, answer) after it."""
+    held: dict[int, str] = {}
+    done: dict[int, Any] = {}
+    head = 0
+    begin(0)
+
+    def text(i: int, t: str) -> None:
+        if write is None:
+            return
+        if i == head:
+            write(t)
+        else:
+            held[i] = held.get(i, "") + t
+
+    def answered(i: int, a: Any) -> None:
+        nonlocal head
+        done[i] = a
+        while head in done:
+            finish(head, done.pop(head))
+            head += 1
+            if head < count:
+                begin(head)
+                if write is not None and held.get(head):
+                    write(held.pop(head))
+
+    return text, answered

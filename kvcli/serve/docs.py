@@ -30,6 +30,7 @@ class Opened:
     lock: Any  # a lock (context manager) held while generating on the session's model
     release: Callable[[], None] = _nothing  # called once when the request is done with the session
     asker: Callable[..., Any] | None = None  # a provider's own turn-taking ask (e.g. a warm Lease's)
+    concurrency: int = 1  # requests that may ask at once (a warm Lease decodes that many together)
 
     def ask(self, question: str, options: Any, on_text: Any = None, *, history: Sequence[tuple[str, str]] = (),
             cancelled: Callable[[], bool] = lambda: False):
@@ -157,4 +158,4 @@ class WarmProvider:
             held.__exit__(None, None, None)
             self.on_use()
 
-        return Opened(session=lease.session, lock=lease.lock, release=release, asker=lease.ask)
+        return Opened(session=lease.session, lock=lease.lock, release=release, asker=lease.ask, concurrency=lease.concurrency)

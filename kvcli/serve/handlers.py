@@ -121,19 +121,23 @@ def _history(req: dict[str, Any], session: Any) -> list[tuple[str, str]]:
 
 
 def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
-    """Answer every question from every cache, as cli.ask does in-process; returns the exit code."""
+    """Answer every question from every cache, as cli.ask does in-process; returns the exit code.
+    The questions join the document's running batch with everyone else's (serve/warm.py)."""
+    from ..engine.batch import in_order
+
     caches, questions = _strings(req, "caches"), _strings(req, "questions")
     opts = _options(req)
     stream = bool(req.get("stream", True))
 
+    batch_size = req.get("batch_size")
+    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
+        raise protocol.ProtocolError("batch_size must be a whole number of at least 1")
+
     def note(message: str) -> None:
         conn.send(protocol.event("note", message=message))
 
-    def on_text(text: str) -> None:
-        if conn.cancelled():
-            raise Gone()
-        if stream:
-            conn.send(protocol.event("text", text=text))
+    def text(t: str) -> None:
+        conn.send(protocol.event("text", text=t))
 
     first_error: KvcliError | None = None
     for index, path in enumerate(caches):
@@ -152,9 +156,12 @@ def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
             for warning in lease.warnings:
                 conn.send(protocol.event("warning", message=warning))
             history = _history(req, lease.session)
-            for q in questions:
-                answer = lease.ask(q, opts, on_text=on_text, cancelled=conn.cancelled, history=history)
-                conn.send(protocol.event("answer", index=index, answer=answer.to_json()))
+            # answers in question order, the first unfinished one streaming, as the in-process `ask` renders them
+            on_text, on_answer = in_order(len(questions), lambda _i: None,
+                                          lambda _i, a: conn.send(protocol.event("answer", index=index, answer=a.to_json())),
+                                          text if stream else None)
+            lease.ask_many(questions, opts, on_text=on_text, on_answer=on_answer, cancelled=conn.cancelled,
+                           history=history, batch_size=batch_size)
         finally:
             held.__exit__(None, None, None)
     return first_error.exit_code if first_error else 0

@@ -2,8 +2,9 @@
 
 GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions (streamed as server-sent events in
 OpenAI's chunk format, ending with `data: [DONE]`). Errors are OpenAI error objects, never a traceback.
-Generation runs in worker threads, one answer at a time per model in arrival order; at most
-`max_queue` requests wait per model, more get 503. A client that disconnects mid-answer stops its
+Generation runs in worker threads in arrival order: on a warm server up to its batch size of answers
+per model at once (decoded together, serve/warm.py), else one at a time; at most `max_queue` requests
+wait per model, more get 503. A client that disconnects mid-answer stops its
 generation at the next token. Binding anything but loopback requires an API key (Bearer token).
 Needs the `serve` extra (starlette, sse-starlette, uvicorn), imported only when a server is built.
 """
@@ -19,6 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CacheError, ConversationError, KvcliError, UsageError
 from . import openai_api as oa
@@ -52,13 +54,15 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 class _Gate:
-    """FIFO turn-taking for one model: `held` counts the requests running or waiting."""
+    """FIFO turn-taking for one model: at most `slots` requests run at once (the batch a warm server decodes
+    together; 1 where generation is one at a time), `held` counts those running or waiting."""
 
-    def __init__(self, limit: int):
-        self.lock, self.limit, self.held = asyncio.Lock(), limit, 0
+    def __init__(self, limit: int, slots: int = 1):
+        self.lock, self.limit, self.slots, self.held = asyncio.Semaphore(slots), limit, slots, 0
+        self.pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="kvcli-answer")  # one thread per slot
 
     def reserve(self) -> None:
-        if self.held > self.limit:
+        if self.held >= self.slots + self.limit:
             raise oa.ApiError(503, f"busy: {self.held} requests already running or waiting for this model; retry later",
                               type="server_error", code="busy", headers={"Retry-After": "1"})
         self.held += 1
@@ -70,7 +74,7 @@ class _Gate:
         except BaseException:
             self.held -= 1
             raise
-        fut = asyncio.get_running_loop().run_in_executor(None, work)
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, work)
         fut.add_done_callback(self._release)
         return fut
 
@@ -176,7 +180,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
             if limit and len(prompt) >= limit:
                 raise oa.ApiError(400, f"messages: the prompt needs {len(prompt)} of the model's {limit} positions",
                                   param="messages", code="context_length_exceeded")
-            gate = gates.setdefault(id(opened.lock), _Gate(max_queue))
+            gate = gates.setdefault(id(opened.lock), _Gate(max_queue, opened.concurrency))
             gate.reserve()
         except BaseException:
             release()

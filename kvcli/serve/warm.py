@@ -9,9 +9,11 @@ Used by the unix-socket server (server.py) and meant for any other front end (an
         with held.lock: ...
     warm.status()                                       # what `kvcli ps` shows
 
-Generation is serialized per loaded model by a FIFO lock (`lease.lock`): questions from many clients
-take turns in arrival order, one question at a time, so a client asking many questions cannot starve
-another, and the model's forward hooks count each answer's tokens alone. A cache directory replaced
+Questions on one document decode together (engine/joining.py): each warm Session has a Batcher whose
+rows join between steps, at most `batch_size` at once, waiting rows taking free ones in arrival order.
+The model's FIFO lock (`lease.lock`) is taken per step, so documents sharing a model take turns step by
+step, and a prefill (or a question on a model kvcli cannot batch, answered whole) waits its turn in
+arrival order: a client asking many questions cannot starve another. A cache directory replaced
 since it was restored (directory or manifest identity changed) is restored again, never answered
 from the old copy. Entries in use are never evicted; the rest go least recently used first.
 """
@@ -84,12 +86,15 @@ class _Entry:
     lock: FairLock = field(default_factory=FairLock)  # models: the generation turn
     users: int = 0
     served: int = 0
+    batcher: Any = None  # caches: the document's running batch (engine/joining.Batcher), if batching
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
 
 
 class Lease:
-    """A warm Session lent to one request; ask() takes the model's turn for each question."""
+    """A warm Session lent to one request. Its questions join the document's running batch (engine/joining.py),
+    which takes the model's FIFO turn step by step; without one (batch size 1, or a model kvcli cannot batch)
+    each question takes the turn whole."""
 
     def __init__(self, warm: "Warm", entry: _Entry, model_entry: _Entry):
         self._warm, self._entry, self._model = warm, entry, model_entry
@@ -100,16 +105,48 @@ class Lease:
     def warnings(self) -> list[str]:
         return self.session.warnings
 
+    @property
+    def concurrency(self) -> int:
+        """Questions that decode together on this document (1: one at a time)."""
+        return self._entry.batcher.width if self._entry.batcher is not None else 1
+
     def ask(self, question: str, options: Any = None, on_text: Callable[[str], None] | None = None,
             cancelled: Callable[[], bool] | None = None, history: Any = ()):
-        """Session.ask (after the conversation `history`, if any) under the model's FIFO turn; Cancelled if
-        the asker left before its turn."""
-        with self.lock:
-            if cancelled and cancelled():
-                raise Cancelled()
-            answer = self.session.ask(question, options, on_text=on_text, history=history)
-        self._warm._served(self._entry, self._model)
-        return answer
+        """One question (after the conversation `history`, if any); Cancelled once the asker has left."""
+        return self.ask_many([question], options, on_text=(lambda _i, t: on_text(t)) if on_text else None,
+                             cancelled=cancelled, history=history)[0]
+
+    def ask_many(self, questions: list[str], options: Any = None, *, on_text: Callable[[int, str], None] | None = None,
+                 on_answer: Callable[[int, Any], None] | None = None, cancelled: Callable[[], bool] | None = None,
+                 history: Any = (), batch_size: int | None = None) -> list[Any]:
+        """Several questions, decoded together with whatever else asks this document (at most batch_size of
+        these at once); callbacks run in this thread: on_text(i, text), on_answer(i, answer) as each completes."""
+        from ..engine.answer import GenerationOptions
+        from ..engine.joining import Left
+
+        opts = options or GenerationOptions()
+        batcher = self._entry.batcher
+
+        def answered(i: int, a: Any) -> None:
+            self._warm._served(self._entry, self._model)
+            if on_answer:
+                on_answer(i, a)
+
+        if batcher is not None and (batch_size or 2) > 1:
+            try:
+                return batcher.ask_many(questions, opts, history=history, batch_size=batch_size, on_text=on_text,
+                                        on_answer=answered, cancelled=cancelled)
+            except Left:
+                raise Cancelled() from None
+        answers = []
+        for i, q in enumerate(questions):
+            with self.lock:
+                if cancelled and cancelled():
+                    raise Cancelled()
+                answers.append(self.session.ask(q, opts, on_text=(lambda t, i=i: on_text(i, t)) if on_text else None,
+                                                history=history))
+            answered(i, answers[-1])
+        return answers
 
 
 class HeldModel:
@@ -167,8 +204,11 @@ def _identity(path: Path) -> tuple:
 class Warm:
     """Loaded models and restored caches, least recently used first out when over max_memory bytes."""
 
-    def __init__(self, max_memory: int | None = None):
+    def __init__(self, max_memory: int | None = None, batch_size: int | None = None):
+        from ..engine.answer import DEFAULT_BATCH
+
         self.max_memory = max_memory or default_max_memory()
+        self.batch_size = batch_size or DEFAULT_BATCH  # questions on one document decoded together
         self._entries: dict[str, _Entry] = {}  # insertion order = use order (moved to the end on use)
         self._alias: dict[str, str] = {}  # requested model key -> the key of what was loaded
         self._mutex = threading.RLock()
@@ -230,6 +270,8 @@ class Warm:
             row = {**e.info, "bytes": e.nbytes, "loaded_at": e.loaded_at, "last_used": e.last_used, "served": e.served, "in_use": e.users}
             if e.kind == "model":
                 row["waiting"] = e.lock.waiting
+            elif e.batcher is not None:
+                row["batch"] = {"width": e.batcher.width, "steps": e.batcher.steps, "peak_rows": e.batcher.peak_rows}
             rows["models" if e.kind == "model" else "caches"].append(row)
         return {"max_memory": self.max_memory, "bytes": sum(e.nbytes for e in entries), "reloads": self.reloads, **rows}
 
@@ -288,7 +330,8 @@ class Warm:
         return self._take(key)
 
     def _restore(self, key: str, path: Path, *, model, revision, device, dtype, trust_remote_code, convert_dtype, progress) -> _Entry:
-        from ..engine import answer as an, models
+        from ..engine import answer as an, attention, models
+        from ..engine.joining import Batcher
         from ..format import store
 
         try:
@@ -310,6 +353,8 @@ class Warm:
             info = {"path": str(path), "model": model_entry.info["name"], "num_tokens": len(session.token_ids),
                     "dtype": manifest.dtype, "load_s": round(session.load_s, 4)}
             entry = _Entry(key, "cache", session, _nbytes_states(session.states), info, identity=identity, model_key=model_entry.key, users=1)
+            if self.batch_size > 1 and attention.batchable(model_entry.obj.model):
+                entry.batcher = Batcher(session, width=self.batch_size, turn=lambda: model_entry.lock)
             with self._mutex:
                 self._entries[key] = entry
                 self._evict()
