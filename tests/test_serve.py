@@ -99,7 +99,7 @@ def test_questions_of_one_request_decode_together(here, server):
     assert _batch_of(server, here / "together.kv")["peak_rows"] == len(QUESTIONS)  # one forward pass ran all three
     assert _batch_of(server, here / "apart.kv")["steps"] == 0  # --batch-size 1: each question answered whole, as in-process
     ps = json.loads(run("ps", "--json").stdout)
-    assert any(c["batch"] == {"width": 8, "steps": c["batch"]["steps"], "peak_rows": 3} for c in ps["caches"])
+    assert any(c["batch"] == {"width": 8, "asked": 3, "steps": c["batch"]["steps"], "peak_rows": 3} for c in ps["caches"])
 
 
 def test_errors_are_the_same_through_the_server(here, world):

@@ -68,6 +68,43 @@ def test_http_and_socket_clients_share_one_warm_session(world, here):
         c.chat.completions.create(model="s.sock", messages=[{"role": "user", "content": Q1}])
 
 
+def test_concurrent_http_clients_decode_together(world, here):
+    import threading
+
+    questions = ("What is the Licensor?", "Who may use the work?", "Is there a warranty?", "What is a Contribution?")
+    session = kvcli.Session(world["lm"], world["root"] / "docs" / "b.kv")
+    alone = [session.ask(q, OPTS).answer for q in questions]
+    c = openai.OpenAI(base_url=world["web"].base_url, api_key="x", max_retries=0, timeout=60)
+    c.chat.completions.create(model="b.kv", messages=[{"role": "user", "content": questions[0]}], max_tokens=1)  # restore it
+    warm = world["server"].server.warm
+    batch = lambda: next(c["batch"] for c in warm.status()["caches"] if c["path"].endswith("b.kv"))  # noqa: E731
+    asked = batch()["asked"]
+    got: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        r = c.chat.completions.create(model="b.kv", messages=[{"role": "user", "content": questions[i]}], max_tokens=8)
+        got[i] = r.choices[0].message.content
+
+    with _model_turn(warm):  # no step runs until all four are in
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while batch()["asked"] < asked + len(questions):
+            assert time.monotonic() < deadline, batch()
+            time.sleep(0.01)
+    for t in threads:
+        t.join(timeout=60)
+    assert [got[i] for i in range(len(questions))] == alone
+    assert batch()["peak_rows"] == len(questions)
+
+
+def _model_turn(warm):
+    """The FIFO turn of the one model the warm server holds (what every batch step takes)."""
+    (key,) = [k for k, e in warm._entries.items() if e.kind == "model"]
+    return warm._entries[key].lock
+
+
 def test_chat_goes_through_the_server(world, here):
     talk = Chat(kvcli.Session(world["lm"], world["root"] / "docs" / "a.kv"))
     expected = [talk.ask(q, OPTS) for q in (Q1, Q2, Q3)]

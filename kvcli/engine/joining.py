@@ -41,6 +41,12 @@ class Batcher:
         self.steps = 0  # forward passes run
         self.peak_rows = 0  # most rows decoding in one step
 
+    def ask(self, question: str, options: Any, on_text: Callable[[str], None] | None = None, *, history: Sequence[Any] = (),
+            cancelled: Callable[[], bool] | None = None) -> Any:
+        """One question in the running batch (see ask_many); on_text(text) as it settles."""
+        return self.ask_many([question], options, history=history, cancelled=cancelled,
+                             on_text=(lambda _i, t: on_text(t)) if on_text else None)[0]
+
     def ask_many(self, questions: Sequence[str], options: Any, *, history: Sequence[Any] = (), batch_size: int | None = None,
                  on_text: Callable[[int, str], None] | None = None, on_answer: Callable[[int, Any], None] | None = None,
                  cancelled: Callable[[], bool] | None = None) -> list[Any]:

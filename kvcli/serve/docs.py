@@ -94,14 +94,15 @@ def _identity(path: Path) -> tuple:
 
 
 class DocsProvider:
-    """Caches under `folders`, answered by models loaded through a ModelPool; at most `max_sessions` kept open."""
+    """Caches under `folders`, answered by models loaded through a ModelPool; at most `max_sessions` kept open.
+    Concurrent questions on one cache decode together, up to `batch_size` (engine/joining.py)."""
 
     def __init__(self, folders: Sequence[str | os.PathLike], *, pool: Any = None, model: str | None = None,
-                 device: str = "auto", dtype: str | None = None, max_sessions: int = 4):
+                 device: str = "auto", dtype: str | None = None, max_sessions: int = 4, batch_size: int = 8):
         self.folders = [Path(f) for f in folders]
         self._pool, self._pool_args = pool, dict(model=model, device=device, dtype=dtype)
-        self.max_sessions = max_sessions
-        self._sessions: OrderedDict[str, tuple[tuple, Any]] = OrderedDict()
+        self.max_sessions, self.batch_size = max_sessions, batch_size
+        self._sessions: OrderedDict[str, tuple[tuple, Any, Any]] = OrderedDict()  # path -> (stamp, session, batcher)
         self._locks: dict[int, threading.Lock] = {}
         self._loading = threading.Lock()  # one load at a time: two requests for a new cache load it once
 
@@ -120,13 +121,24 @@ class DocsProvider:
             held = self._sessions.get(str(path))
             if held is None or held[0] != stamp:
                 session = self._new_session(path)
-                self._sessions[str(path)] = (stamp, session)
+                lock = self._locks.setdefault(id(session.lm), threading.Lock())
+                self._sessions[str(path)] = (stamp, session, self._batcher(session, lock))
                 while len(self._sessions) > self.max_sessions:
                     self._sessions.popitem(last=False)
             self._sessions.move_to_end(str(path))
-            session = self._sessions[str(path)][1]
-            lock = self._locks.setdefault(id(session.lm), threading.Lock())
-        return Opened(session=session, lock=lock)
+            _stamp, session, batcher = self._sessions[str(path)]
+            lock = self._locks[id(session.lm)]
+        if batcher is None:
+            return Opened(session=session, lock=lock)
+        return Opened(session=session, lock=lock, asker=_batched(batcher), concurrency=batcher.width)
+
+    def _batcher(self, session: Any, lock: threading.Lock) -> Any:
+        from ..engine import attention
+        from ..engine.joining import Batcher
+
+        if self.batch_size <= 1 or not attention.batchable(session.lm.model):
+            return None
+        return Batcher(session, width=self.batch_size, turn=lambda: lock)
 
     def _new_session(self, path: Path):
         from ..engine import answer
@@ -134,6 +146,19 @@ class DocsProvider:
         if self._pool is None:
             self._pool = answer.ModelPool(**self._pool_args)
         return answer.Session(self._pool.for_cache(path), path)
+
+
+def _batched(batcher: Any) -> Callable[..., Any]:
+    """Opened.ask through a Batcher: Left (the asker went away) becomes Cancelled."""
+    from ..engine.joining import Left
+
+    def ask(question: str, options: Any, on_text: Any = None, *, history=(), cancelled=lambda: False):
+        try:
+            return batcher.ask(question, options, on_text, history=history, cancelled=cancelled)
+        except Left:
+            raise Cancelled() from None
+
+    return ask
 
 
 class WarmProvider:

@@ -271,7 +271,8 @@ class Warm:
             if e.kind == "model":
                 row["waiting"] = e.lock.waiting
             elif e.batcher is not None:
-                row["batch"] = {"width": e.batcher.width, "steps": e.batcher.steps, "peak_rows": e.batcher.peak_rows}
+                row["batch"] = {"width": e.batcher.width, "asked": e.batcher.asked, "steps": e.batcher.steps,
+                                "peak_rows": e.batcher.peak_rows}
             rows["models" if e.kind == "model" else "caches"].append(row)
         return {"max_memory": self.max_memory, "bytes": sum(e.nbytes for e in entries), "reloads": self.reloads, **rows}
 
