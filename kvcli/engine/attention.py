@@ -129,8 +129,9 @@ def shared_prefix_attention(module, query, key, value, attention_mask, *, scalin
     scale = scaling if scaling is not None else dim**-0.5
     work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     qf = query.to(work) * scale
+    window, device = layer.sliding_window, query.device
     # slot of every query token in its row: [active, q]
-    slots = step.offsets[:, None] + torch.arange(q, device=query.device)[None, :]
+    slots = step.once("slots", lambda: step.offsets[:, None] + torch.arange(q, device=device)[None, :])
 
     # Part 1: every row's queries against the one copy of the document: [kv_heads, active*rep*q, cached]
     pk, pv = layer.prefix_keys[0].to(work), layer.prefix_values[0].to(work)
@@ -138,13 +139,15 @@ def shared_prefix_attention(module, query, key, value, attention_mask, *, scalin
     s1 = torch.matmul(qp, pk.transpose(-1, -2))
     if softcap:
         s1 = torch.tanh(s1 / softcap) * softcap
-    if layer.sliding_window is not None:  # the document's last keys sit at positions length-cached .. length-1
-        cached = pk.shape[-2]
-        key_pos = layer.prefix_length - cached + torch.arange(cached, device=query.device)  # [cached]
-        query_pos = layer.prefix_length + slots  # [active, q]
-        allowed = (query_pos[..., None] - key_pos) < layer.sliding_window  # [active, q, cached]
-        allowed = allowed[:, None].expand(a, rep, q, cached).reshape(1, a * rep * q, cached)
-        s1 = s1.masked_fill(~allowed, float("-inf"))
+    if window is not None:  # the document's last keys sit at positions length-cached .. length-1
+        cached, length = pk.shape[-2], layer.prefix_length
+
+        def document_window() -> torch.Tensor:  # [1, active*rep*q, cached]
+            key_pos = length - cached + torch.arange(cached, device=device)  # [cached]
+            allowed = ((length + slots)[..., None] - key_pos) < window  # [active, q, cached]
+            return allowed[:, None].expand(a, rep, q, cached).reshape(1, a * rep * q, cached)
+
+        s1 = s1.masked_fill(~step.once(("document", window, cached, length, rep), document_window), float("-inf"))
     m1 = s1.amax(-1, keepdim=True)
     e1 = torch.exp(s1 - m1.clamp_min(torch.finfo(work).min))  # a fully masked row stays all-zero
     l1 = e1.sum(-1, keepdim=True)
@@ -155,18 +158,21 @@ def shared_prefix_attention(module, query, key, value, attention_mask, *, scalin
     l1 = l1.reshape(kv_heads, a, rep * q, 1).transpose(0, 1)
 
     # Part 2: each row against its own tokens: [active, kv_heads, rep*q, used]
-    used = int(step.offsets.max()) + q
-    sk = key.index_select(0, step.rows)[:, :, :used].to(work)
-    sv = value.index_select(0, step.rows)[:, :, :used].to(work)
+    used = step.once("used", lambda: int(step.offsets.max()) + q)
+    sk = key[:, :, :used].index_select(0, step.rows).to(work)  # [active, kv_heads, used, dim]: only the used slots copied
+    sv = value[:, :, :used].index_select(0, step.rows).to(work)
     s2 = torch.matmul(qf.reshape(a, kv_heads, rep * q, dim), sk.transpose(-1, -2))
     if softcap:
         s2 = torch.tanh(s2 / softcap) * softcap
-    key_slot = torch.arange(used, device=query.device)
-    allowed = key_slot[None, None, :] <= slots[..., None]  # causal within the row: [active, q, used]
-    if layer.sliding_window is not None:
-        allowed &= (slots[..., None] - key_slot[None, None, :]) < layer.sliding_window
-    allowed = allowed[:, None, None].expand(a, kv_heads, rep, q, used).reshape(a, kv_heads, rep * q, used)
-    s2 = s2.masked_fill(~allowed, float("-inf"))
+
+    def own_tokens() -> torch.Tensor:  # causal within the row (and its window): [active, kv_heads, rep*q, used]
+        key_slot = torch.arange(used, device=device)
+        allowed = key_slot[None, None, :] <= slots[..., None]  # [active, q, used]
+        if window is not None:
+            allowed &= (slots[..., None] - key_slot[None, None, :]) < window
+        return allowed[:, None, None].expand(a, kv_heads, rep, q, used).reshape(a, kv_heads, rep * q, used)
+
+    s2 = s2.masked_fill(~step.once(("own", window, kv_heads, rep), own_tokens), float("-inf"))
     m2 = s2.amax(-1, keepdim=True)  # finite: every query sees its own token
     e2 = torch.exp(s2 - m2)
     l2 = e2.sum(-1, keepdim=True)

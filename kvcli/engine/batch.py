@@ -9,6 +9,7 @@ batch and a waiting one takes its row between steps.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -110,6 +111,13 @@ class Step:
     offsets: torch.Tensor  # [active] slot of each row's first new token
     uniform_offset: int | None  # the same first slot for every row (questions joining), else None
     query_length: int
+    memo: dict = field(default_factory=dict)  # masks every layer of one kind shares, built once per step
+
+    def once(self, key: Any, build: Callable[[], Any]) -> Any:
+        """build(), computed for the first layer that asks for `key` in this step and reused by the rest."""
+        if key not in self.memo:
+            self.memo[key] = build()
+        return self.memo[key]
 
 
 # ---------------------------------------------------------------- decoding many rows
@@ -152,6 +160,8 @@ class Decoder:
         self.free = list(range(width))
         self.mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # a 4D mask is passed as-is
         self.last_rows = 0  # rows in the latest forward pass
+        # the lm head runs only where a next token is needed (a joining row's last id), if the model allows
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @property
     def busy(self) -> bool:
@@ -173,7 +183,8 @@ class Decoder:
         if not self.busy:
             self.cache = None  # the suffix buffers; the document's states are never the Decoder's
 
-    def _forward(self, batch: list[Row], ids: torch.Tensor, uniform: int | None) -> torch.Tensor:
+    def _forward(self, batch: list[Row], ids: torch.Tensor, uniform: int | None, last: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [rows, q, vocab] of ids [rows, q] at each row's slots; [rows, 1, vocab] at positions `last` [rows, 1]."""
         q = ids.shape[1]
         need = max(r.offset for r in batch) + q
         longest = max(len(r.appended) + r.max_new for r in self.active + batch)
@@ -186,9 +197,12 @@ class Decoder:
         offsets = torch.tensor([r.offset for r in batch], device=self.device)
         cache.begin(Step(torch.tensor([r.slot for r in batch], device=self.device), offsets, uniform, q))
         positions = self.cached_length + offsets[:, None] + torch.arange(q, device=self.device)[None, :]  # [active, q]
+        extra = {"logits_to_keep": last} if last is not None and self.keeps_logits else {}
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=self.mask, cache=cache, use_cache=True,
-                         kvcli_cache=cache)
-        return out.logits  # [active, q, vocab]
+                         kvcli_cache=cache, **extra)
+        if last is not None and not extra:
+            return out.logits.gather(1, last[..., None].expand(-1, -1, out.logits.shape[-1]))
+        return out.logits  # [active, q or 1, vocab]
 
     def _take(self, row: Row, logits: torch.Tensor) -> None:
         token = row.choose(row.prompt + row.answer, logits)
@@ -214,8 +228,9 @@ class Decoder:
                 ids = torch.full((len(joining), q), self.pad_id, dtype=torch.long, device=self.device)
                 for i, r in enumerate(joining):
                     ids[i, : len(r.appended)] = torch.tensor(r.appended, device=self.device)
+                last = torch.tensor([[len(r.appended) - 1] for r in joining], device=self.device)  # [rows, 1]
                 try:
-                    logits = self._forward(joining, ids, 0)
+                    logits = self._forward(joining, ids, 0, last)
                 except BaseException:  # they wait again (the caller decides whether to drop them)
                     self.free.extend(r.slot for r in joining)
                     self.waiting[:0] = joining
@@ -224,7 +239,7 @@ class Decoder:
                 for i, r in enumerate(joining):
                     r.offset = len(r.appended)
                     r.processed += len(r.appended)
-                    self._take(r, logits[i, len(r.appended) - 1].float())
+                    self._take(r, logits[i, 0].float())
             elif self.active:
                 ids = torch.tensor([[r.answer[-1]] for r in self.active], device=self.device)
                 logits = self._forward(self.active, ids, None)
