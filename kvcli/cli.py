@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Optional
 import typer
 from typer.core import TyperArgument, TyperCommand
 
-from . import __version__
+from . import __version__, served
 from .errors import CHECK_DIFFERS_EXIT, KvcliError, ServerError, UsageError
 from .output import EXIT_PIPE, Output, debug_enabled, human_bytes, is_broken_pipe, stdout_gone
 
@@ -163,15 +163,15 @@ def prefill(
     targets, folder = _prefill_targets(docs, Path(output) if output is not None else None)
     # a document on stdin, or a quantized cache (the server writes lossless ones), is prefilled in-process
     if server is not False and "-" not in docs and kv_bits is None:
-        fields = {"docs": [[os.path.abspath(d), os.path.abspath(t)] for d, t in targets], "model": _client_model(model or os.environ.get("KVCLI_MODEL")),
+        fields = {"docs": [[os.path.abspath(d), os.path.abspath(t)] for d, t in targets], "model": served.client_model(model or os.environ.get("KVCLI_MODEL")),
                   "revision": revision, "system": system, "framing": framing, "chunk_size": chunk_size, "dtype": dtype, "device": device,
                   "encoding": encoding, "force": force, "trust_remote_code": trust_remote_code}
         if folder is not None:
             _make_folder(folder)  # the server writes into it
-        served = _served(out, server, "prefill", fields, [*(d for d, _ in targets), *(str(t) for _, t in targets), model],
-                         prefilled=lambda i, r: _prefilled(out, *targets[i], r, json_out, True))
-        if served is not None:
-            return served
+        code = served.run(out, server, "prefill", fields, [*(d for d, _ in targets), *(str(t) for _, t in targets), model],
+                          prefilled=lambda i, r: _prefilled(out, *targets[i], r, json_out, True))
+        if code is not None:
+            return code
     from .engine import models, prefilling as pf
 
     failed: list[KvcliError] = []
@@ -336,7 +336,7 @@ def ask(
     if server is not False and not check and not any(is_url(c) for c in cache):  # a running `kvcli serve` answers without importing torch
         options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
                    "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size}
-        fields = {"caches": [os.path.abspath(c) for c in cache], "questions": qs, "options": options, "model": _client_model(model),
+        fields = {"caches": [os.path.abspath(c) for c in cache], "questions": qs, "options": options, "model": served.client_model(model),
                   "revision": revision, "device": device, "dtype": dtype, "convert_dtype": convert_dtype,
                   "trust_remote_code": trust_remote_code, "stream": not json_out, "batch_size": batch_size}
         if earlier is not None:
@@ -348,9 +348,9 @@ def ask(
             else:
                 out.write("\0" if null else "\n")
 
-        served = _served(out, server, "ask", fields, [*(str(Path(c)) for c in cache), model], answered=answered)
-        if served is not None:
-            return served
+        code = served.run(out, server, "ask", fields, [*(str(Path(c)) for c in cache), model], answered=answered)
+        if code is not None:
+            return code
     from .engine import answer as an, conversation
 
     opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop),
@@ -440,53 +440,6 @@ def _shown(path: str) -> str:
     return redact(path)
 
 
-def _client_model(model: Optional[str]) -> Optional[str]:
-    """A --model that names a local path, made absolute for the server (a hub id stays as it is)."""
-    if model and (os.path.exists(model) or model.endswith(".gguf") or model.startswith((".", "/", "~")) or model.count("/") > 1):
-        return os.path.abspath(os.path.expanduser(model))
-    return model
-
-
-def _served(out: Output, require: Optional[bool], op: str, fields: dict, spellings: list[Optional[str]], *, answered=None, prefilled=None) -> Optional[int]:
-    """Run ask/prefill on a running server (None when none answers and none is required), rendering its
-    events through the same Output calls as the in-process path, paths spelled as the user gave them."""
-    from .serve import client
-
-    where = client.socket_path()
-    conn = client.open_request(where, op, fields)
-    if conn is None:
-        if require:
-            raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")
-        return None
-    spelled = sorted({(os.path.abspath(n), n) for n in spellings if n and os.path.abspath(n) != n}, key=lambda p: -len(p[0]))
-
-    def own(text: str) -> str:
-        for absolute, given in spelled:
-            text = text.replace(absolute, given)
-        return text
-
-    with conn:
-        for ev in conn.events():
-            kind = ev.get("event")
-            if kind == "text":
-                out.write(ev["text"])
-            elif kind == "answer":
-                answered(ev["index"], ev["answer"])
-            elif kind == "prefilled":
-                prefilled(ev["index"], ev["result"])
-            elif kind == "note":
-                out.note(own(ev["message"]))
-            elif kind == "warning":
-                out.warn(own(ev["message"]))
-            elif kind == "error":
-                out.error(own(ev["message"]), ev.get("hint"))
-            elif kind == "done":
-                return int(ev.get("exit_code", 1))
-            elif kind == "fail":
-                raise client.failure(ev, own)
-    raise ServerError(f"{where}: the server stopped before the answer was complete")
-
-
 def _timing(a) -> str:
     n = len(a.answer_token_ids)
     rate = (n - 1) / (a.total_s - a.ttft_s) if n > 1 and a.ttft_s is not None and a.total_s > a.ttft_s else None
@@ -563,15 +516,17 @@ def chat(
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop)}
     from .remote import is_url
 
-    if server is not False and not is_url(cache) and _server_answers(server):  # the conversation goes through the running server
-        fields = {"caches": [os.path.abspath(cache)], "options": options, "model": _client_model(model), "revision": revision,
+    if server is not False and not is_url(cache) and served.answers(server):  # the conversation goes through the running server
+        fields = {"caches": [os.path.abspath(cache)], "options": options, "model": served.client_model(model), "revision": revision,
                   "device": device, "dtype": dtype, "convert_dtype": convert_dtype, "trust_remote_code": trust_remote_code,
                   "stream": not json_out}
         if earlier is not None:
             fields.update(follow_up=earlier, follow_up_name=str(follow_up))
         while (line := out.read_line("> ")) is not None:
             if line.strip():
-                fields = _chat_served(out, fields, line, str(cache), model, json_out)
+                code, fields = served.chat_turn(out, fields, line, str(cache), model, json_out)
+                if code:
+                    raise typer.Exit(code)
         return 0
     from .engine import answer as an, conversation
 
@@ -588,33 +543,6 @@ def chat(
             a = talk.ask(line, opts, on_text=None if json_out else out.write)
             out.json_line({**a.to_json(), "cache": _shown(cache), "served": False}) if json_out else out.write("\n")
     return 0
-
-
-def _server_answers(require: Optional[bool]) -> bool:
-    from .serve import client
-
-    where = client.socket_path()
-    if client.ping(where):
-        return True
-    if require:
-        raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")
-    return False
-
-
-def _chat_served(out: Output, fields: dict, question: str, cache: str, model: Optional[str], json_out: bool) -> dict:
-    """One turn of a served chat; returns the fields of the next turn (the conversation so far as history)."""
-    got: list[dict] = []
-
-    def answered(_i: int, a: dict) -> None:
-        got.append(a)
-        out.json_line({**a, "cache": cache, "served": True}) if json_out else out.write("\n")
-
-    code = _served(out, True, "ask", {**fields, "questions": [question]}, [cache, model], answered=answered)
-    if code or not got:
-        raise typer.Exit(code or 1)
-    a = got[0]
-    history = [[h["question"], h["answer"]] for h in a.get("history", [])] + [[a["question"], a["answer"]]]
-    return {k: v for k, v in fields.items() if not k.startswith("follow_up")} | {"history": history}
 
 
 @command

@@ -1,0 +1,86 @@
+"""The client side of a served command: ask a running `kvcli serve` and render its events through Output
+exactly as the in-process path renders the same results (paths spelled as the user gave them).
+Imports nothing heavy: this is the path where the CLI must start fast (no torch, numpy, pydantic)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from .errors import ServerError
+from .output import Output
+
+
+def client_model(model: Optional[str]) -> Optional[str]:
+    """A --model that names a local path, made absolute for the server (a hub id stays as it is)."""
+    if model and (os.path.exists(model) or model.endswith(".gguf") or model.startswith((".", "/", "~")) or model.count("/") > 1):
+        return os.path.abspath(os.path.expanduser(model))
+    return model
+
+
+def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: list[Optional[str]], *, answered=None, prefilled=None) -> Optional[int]:
+    """Run ask/prefill on a running server (None when none answers and none is required), rendering its
+    events through the same Output calls as the in-process path, paths spelled as the user gave them."""
+    from .serve import client
+
+    where = client.socket_path()
+    conn = client.open_request(where, op, fields)
+    if conn is None:
+        if require:
+            raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")
+        return None
+    spelled = sorted({(os.path.abspath(n), n) for n in spellings if n and os.path.abspath(n) != n}, key=lambda p: -len(p[0]))
+
+    def own(text: str) -> str:
+        for absolute, given in spelled:
+            text = text.replace(absolute, given)
+        return text
+
+    with conn:
+        for ev in conn.events():
+            kind = ev.get("event")
+            if kind == "text":
+                out.write(ev["text"])
+            elif kind == "answer":
+                answered(ev["index"], ev["answer"])
+            elif kind == "prefilled":
+                prefilled(ev["index"], ev["result"])
+            elif kind == "note":
+                out.note(own(ev["message"]))
+            elif kind == "warning":
+                out.warn(own(ev["message"]))
+            elif kind == "error":
+                out.error(own(ev["message"]), ev.get("hint"))
+            elif kind == "done":
+                return int(ev.get("exit_code", 1))
+            elif kind == "fail":
+                raise client.failure(ev, own)
+    raise ServerError(f"{where}: the server stopped before the answer was complete")
+
+
+def answers(require: Optional[bool]) -> bool:
+    """Whether a server answers on the socket (ServerError if none does and one is required)."""
+    from .serve import client
+
+    where = client.socket_path()
+    if client.ping(where):
+        return True
+    if require:
+        raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")
+    return False
+
+
+def chat_turn(out: Output, fields: dict, question: str, cache: str, model: Optional[str], json_out: bool) -> tuple[int, dict]:
+    """One turn of a served chat: (exit code, the fields of the next turn, with the conversation so far as history)."""
+    got: list[dict] = []
+
+    def answered(_i: int, a: dict) -> None:
+        got.append(a)
+        out.json_line({**a, "cache": cache, "served": True}) if json_out else out.write("\n")
+
+    code = run(out, True, "ask", {**fields, "questions": [question]}, [cache, model], answered=answered)
+    if code or not got:
+        return code or 1, fields
+    a = got[0]
+    history = [[h["question"], h["answer"]] for h in a.get("history", [])] + [[a["question"], a["answer"]]]
+    return 0, {k: v for k, v in fields.items() if not k.startswith("follow_up")} | {"history": history}
