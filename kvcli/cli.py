@@ -889,9 +889,11 @@ def ps(
     models = Table("model", "dtype", "device", "memory", "last used", "answers", title="models")
     for m in s["models"]:
         models.add_row(Text(str(m["name"])), m["dtype"], m["device"], human_bytes(m["bytes"]), _age(now - m["last_used"]) + " ago", str(m["served"]))
-    caches = Table("cache", "tokens", "model", "memory", "last used", "answers", title="caches")
+    caches = Table("cache", "tokens", "model", "memory", "last used", "answers", "most together", title="caches")
     for c in s["caches"]:
-        caches.add_row(Text(c["path"]), f"{c['num_tokens']:,}", Text(str(c["model"])), human_bytes(c["bytes"]), _age(now - c["last_used"]) + " ago", str(c["served"]))
+        b = c.get("batch")  # questions one decoding step ran at most, of the batch's width
+        caches.add_row(Text(c["path"]), f"{c['num_tokens']:,}", Text(str(c["model"])), human_bytes(c["bytes"]), _age(now - c["last_used"]) + " ago",
+                       str(c["served"]), f"{b['peak_rows']} of {b['width']}" if b else "1")
     out.table(models)
     out.table(caches)
     return 0

@@ -294,8 +294,9 @@ def test_ps_shows_what_is_held(here, server):
     assert s["pid"] == os.getpid() and s["protocol"] == protocol.PROTOCOL_VERSION
     assert any(c["path"] == str(here / "ref-a.kv") and c["served"] >= 1 and c["bytes"] > 0 for c in s["caches"])
     assert s["models"] and s["bytes"] <= s["max_memory"]
-    human = run("ps", env={"COLUMNS": "200"})
+    human = run("ps", env={"COLUMNS": "250"})
     assert human.exit_code == 0 and "ref-a.kv" in human.stdout and str(server.path) in human.stdout
+    assert "most together" in human.stdout and " of 8" in human.stdout
 
 
 def test_usage_errors():
