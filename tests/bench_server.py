@@ -10,6 +10,8 @@ measured in one session (ratios are what to trust on a shared machine):
   loop          10 single-question processes through the server vs one cold `ask -f` with the 10 questions
   client start  `kvcli ps --json` against the server: interpreter, imports, parsing, connect, one round
                 trip (an upper bound on the client's own start)
+  together      8 single-question `kvcli ask` processes started at once through the server (their questions
+                decode in one batch) vs the same 8 one after another (issue 17), 32 new tokens each
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 QUESTIONS = [line for line in (ROOT / "samples" / "questions.txt").read_text().splitlines() if line.strip() and not line.startswith("#")]
 NEW_TOKENS = "16"
+EXTRA = ["Who may grant a patent license?", "What is a Contribution?", "What is the Work?", "Can I sell the Work?",
+         "What is a Derivative Work?", "Who is a Contributor?"]
 
 
 def cmd(*args) -> list[str]:
@@ -76,7 +80,8 @@ def main() -> None:
         ask = ["ask", "--max-new-tokens", NEW_TOKENS, "--quiet", *model]
         timed(cmd(*ask, "-c", cache, q, "--server"), env)  # the server loads the model and holds the cache
         rows: dict[str, list[float]] = {k: [] for k in ("first_local", "first_served", "whole_local", "whole_served",
-                                                          "new_local", "new_served", "loop_served", "one_process", "client_start")}
+                                                          "new_local", "new_served", "loop_served", "one_process", "client_start",
+                                                          "apart_served", "together_served")}
         for n in range(args.repeat):
             first, whole = timed(cmd(*ask, "-c", cache, q, "--no-server"), env)
             rows["first_local"].append(first), rows["whole_local"].append(whole)
@@ -99,6 +104,18 @@ def main() -> None:
             t0 = time.perf_counter()
             subprocess.run(cmd("ps", "--json"), check=True, env=env, stdout=subprocess.DEVNULL)
             rows["client_start"].append(time.perf_counter() - t0)
+            eight = [(QUESTIONS + EXTRA)[i % (len(QUESTIONS) + len(EXTRA))] for i in range(8)]
+            many = ["ask", "--max-new-tokens", "32", "--quiet", *model, "-c", cache, "--server"]
+            t0 = time.perf_counter()
+            for question in eight:
+                timed(cmd(*many, question), env)
+            rows["apart_served"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            procs = [subprocess.Popen(cmd(*many, question), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+                     for question in eight]
+            if any(p.wait() != 0 for p in procs):
+                raise SystemExit("a concurrent ask failed")
+            rows["together_served"].append(time.perf_counter() - t0)
             print(f"run {n + 1}: " + json.dumps({k: round(v[-1], 3) for k, v in rows.items()}), file=sys.stderr, flush=True)
         med = {k: statistics.median(v) for k, v in rows.items()}
         result = {
@@ -109,6 +126,7 @@ def main() -> None:
             "new_cache_speedup": round(med["new_local"] / med["new_served"], 2),
             "loop_over_one_process": round(med["loop_served"] / med["one_process"], 2),
             "client_start_s": round(med["client_start"], 3),
+            "together_speedup": round(med["apart_served"] / med["together_served"], 2),
             "targets": {"first_byte_speedup": ">= 15", "whole_process_speedup": ">= 4", "new_cache_speedup": ">= 3",
                         "loop_over_one_process": "<= 1.3", "client_start_s": "<= 0.25"},
         }
@@ -121,6 +139,8 @@ def main() -> None:
             print(f"cache not held yet: {s['new_local']:.2f} s vs {s['new_served']:.2f} s: {result['new_cache_speedup']}x (target >= 3x)")
             print(f"10 served processes {s['loop_served']:.2f} s vs one cold ask -f {s['one_process']:.2f} s: {result['loop_over_one_process']}x (target <= 1.3x)")
             print(f"client start (ps --json round trip): {s['client_start']:.3f} s (target <= 0.25 s)")
+            print(f"8 served questions at once {s['together_served']:.2f} s vs one after another {s['apart_served']:.2f} s: "
+                  f"{result['together_speedup']}x")
     finally:
         if server is not None:
             subprocess.run(cmd("serve", "--stop", "--quiet"), env=env)

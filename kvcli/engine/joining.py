@@ -105,10 +105,21 @@ class Batcher:
 
     def _run(self) -> None:
         """The decoding thread: take in new rows, let leaving ones go, step; ends when nothing is left."""
+        owners: dict[int, tuple[batch.Question, queue.SimpleQueue, float]] = {}  # id(row) -> its question
+        try:
+            self._loop(owners)
+        except BaseException as exc:  # a bug here: every waiting asker hears of it, the next question starts afresh
+            with self._lock:
+                self._running = False
+                waiting = [(item[0].row, item[1]) for item in self._incoming] + [(q.row, ev) for q, ev, _ in owners.values()]
+                self._incoming.clear()
+            for row, events in waiting:
+                events.put(("error", row.index, exc))
+
+    def _loop(self, owners: dict[int, tuple[batch.Question, queue.SimpleQueue, float]]) -> None:
         model = self.session.lm.model
         decoder = batch.Decoder(model, self.session.states, width=self.width, eos=batch.eos_ids(model),
                                 pad_id=batch.padding_id(self.session.lm.tokenizer, model))
-        owners: dict[int, tuple[batch.Question, queue.SimpleQueue, float]] = {}  # id(row) -> its question
         while True:
             with self._lock:
                 for item in self._incoming:
@@ -127,12 +138,15 @@ class Batcher:
                     finished = decoder.step()
                 self.steps += 1
                 self.peak_rows = max(self.peak_rows, decoder.last_rows)
-            except BaseException as exc:  # noqa: BLE001 - handed to every asker in the batch, the thread goes on
+            except Exception as exc:  # handed to every asker in the batch; the thread goes on
                 for row in decoder.waiting + decoder.active:
-                    q, events, _ = owners.pop(id(row))
+                    _q, events, _start = owners.pop(id(row))
                     events.put(("error", row.index, exc))
                     decoder.drop(row)
                 continue
             for row in finished:
                 q, events, start = owners.pop(id(row))
-                events.put(("answer", row.index, q.answer(self.session, start)))
+                try:
+                    events.put(("answer", row.index, q.answer(self.session, start)))
+                except Exception as exc:
+                    events.put(("error", row.index, exc))
