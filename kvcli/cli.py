@@ -397,8 +397,8 @@ def ask(
                     out.note(f"kvcli: check: {_shown(path)}: {a.check.describe()}")
             out.summary(_timing(a))
 
-        if batch_size > 1 and len(qs) > 1 and not check and not history:
-            _ask_together(session, qs, opts, batch_size, begin, finish, None if json_out else out.write)
+        if batch_size > 1 and len(qs) > 1 and not history:
+            _ask_together(session, qs, opts, batch_size, begin, finish, None if json_out else out.write, check)
             continue
         for q in qs:
             begin(q)
@@ -408,13 +408,13 @@ def ask(
     return CHECK_DIFFERS_EXIT if differs else 0
 
 
-def _ask_together(session, qs: list[str], opts, batch_size: int, begin, finish, write) -> None:
+def _ask_together(session, qs: list[str], opts, batch_size: int, begin, finish, write, check: bool) -> None:
     """Session.ask_many, rendered in question order: the first unfinished question's answer streams live,
     later ones are held until it completes (each JSON line, as before, when its answer is complete)."""
     from .engine.batch import in_order
 
     text, answered = in_order(len(qs), lambda i: begin(qs[i]), lambda _i, a: finish(a), write)
-    session.ask_many(qs, opts, batch_size=batch_size, on_text=text, on_answer=answered)
+    session.ask_many(qs, opts, batch_size=batch_size, on_text=text, on_answer=answered, check=check)
 
 
 def _local_cache(path: str, out: Output) -> Path:

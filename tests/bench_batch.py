@@ -2,8 +2,9 @@
 
     python tests/bench_batch.py --questions 8 --tokens 32 [--batch-size 8] [--doc samples/document.txt]
 
-Prints wall times, the speedup, how many answers are identical, and the memory the batch adds (its
-per-question suffix buffers; the document's keys/values are shared, never copied).
+Prints wall times, the speedup, how many answers are identical, how many batched answers `--check`
+finds identical to a full recompute (and the largest logit difference), and the memory the batch adds
+(its per-question suffix buffers; the document's keys/values are shared, never copied).
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ def main() -> None:
     many = session.ask_many(qs, opts, batch_size=args.batch_size or len(qs))
     t_many = time.perf_counter() - t
     same = sum(a.answer_token_ids == b.answer_token_ids for a, b in zip(single, many))
+    # not timed: every batched answer's own logits against one uncached forward (--check), as issue 17 asks
+    checked = [a.check for a in session.ask_many(qs, opts, batch_size=args.batch_size or len(qs), check=True)]
     print(json.dumps({"questions": len(qs), "new_tokens": args.tokens, "batch_size": args.batch_size or len(qs),
                       "document_tokens": len(session.token_ids), "one_by_one_s": round(t_single, 2),
                       "ask_many_s": round(t_many, 2), "speedup": round(t_single / t_many, 2), "identical": same,
+                      "check_identical": sum(c.identical for c in checked),
+                      "check_max_logit_diff": max(c.max_logit_diff for c in checked),
                       "batch_buffers_mb": round(_buffers(session, qs, args) / 1e6, 1),
                       "document_cache_mb": round(sum(s.keys.nbytes + s.values.nbytes for s in session.states) / 1e6, 1)}))
 

@@ -116,3 +116,37 @@ def test_cli_batched_output_equals_one_by_one(tiny_model_dir, tmp_path):
     for x, y in zip(a, b):
         for key in ("answer", "answer_token_ids", "prompt_token_ids", "processed_tokens", "finish_reason", "served"):
             assert x[key] == y[key], key
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])  # full attention; sliding windows
+def test_every_batched_answer_is_checked_against_a_recompute(arch, name):
+    """ask_many(check=True) measures the batched path's own logits against one uncached forward (--check)."""
+    a = arch(name)
+    session = kvcli.Session(a.lm, a.path)
+    opts = kvcli.GenerationOptions(max_new_tokens=MAX_NEW)
+    alone = [session.ask(q, opts, check=True) for q in QUESTIONS]
+    many = session.ask_many(QUESTIONS, opts, batch_size=3, check=True)
+    for s, m in zip(alone, many):
+        assert m.answer_token_ids == s.answer_token_ids
+        assert m.check is not None and m.check.identical and m.check.tokens == len(m.answer_token_ids)
+        assert m.check.max_logit_diff < 1e-3, m.check  # float32: rounding only, far from any near-tie here
+        assert s.check.identical
+
+
+def test_cli_check_runs_batched(tiny_model_dir, tmp_path):
+    from tests.helpers import json_lines, run
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The licensor is Example Corp. The licence ends when a patent suit is filed. " * 20)
+    cache = tmp_path / "doc.kv"
+    assert run("prefill", doc, "-o", cache, "--model", tiny_model_dir, "-q").exit_code == 0
+    common = ["ask", "-c", cache, *QUESTIONS[:3], "--model", tiny_model_dir, "--max-new-tokens", "6", "--no-server", "--check"]
+    together, one = run(*common, "--json"), run(*common, "--json", "--batch-size", "1")
+    assert together.exit_code == one.exit_code == 0, together.stderr
+    rows, single = json_lines(together.stdout), json_lines(one.stdout)
+    assert [r["question"] for r in rows] == list(QUESTIONS[:3])
+    for r, s in zip(rows, single):
+        assert r["answer_token_ids"] == s["answer_token_ids"] and r["check"]["identical"] is True
+        assert r["check"]["tokens"] == len(r["answer_token_ids"])
+    plain = run(*common)
+    assert plain.exit_code == 0 and plain.stderr.count("check:") == 3

@@ -250,24 +250,26 @@ class Session:
 
     def ask_many(self, questions: Sequence[str], options: GenerationOptions | None = None, *,
                  batch_size: int = DEFAULT_BATCH, on_text: Callable[[int, str], None] | None = None,
-                 on_answer: Callable[[int, Answer], None] | None = None) -> list[Answer]:
+                 on_answer: Callable[[int, Answer], None] | None = None, check: bool = False) -> list[Answer]:
         """Answer several questions together: each decoding step runs all of them (engine/batch.py), so the
         weights are read once per step instead of once per question. Same answers as ask() (greedy), except
         where batched kernels round a near-tie the other way. on_text(i, text) streams question i's text;
-        on_answer(i, answer) hands each answer over as soon as it is complete. batch_size=1 asks one by one."""
+        on_answer(i, answer) hands each answer over as soon as it is complete. batch_size=1 asks one by one.
+        check=True measures every answer against a full recompute, as ask(check=True) does (Answer.check):
+        the batched path's own logits, so a rounding difference of the batch would show there."""
         from . import attention, batch
 
         opts = options or GenerationOptions()
         if batch_size <= 1 or len(questions) <= 1 or not attention.batchable(self.lm.model):
             answers = []
             for i, q in enumerate(questions):
-                answers.append(self.ask(q, opts, on_text=(lambda t, i=i: on_text(i, t)) if on_text else None))
+                answers.append(self.ask(q, opts, on_text=(lambda t, i=i: on_text(i, t)) if on_text else None, check=check))
                 if on_answer:
                     on_answer(i, answers[-1])
             return answers
         start = self.clock()
         return batch.answer_many(self, questions, opts, batch_size=batch_size, start=start, on_text=on_text,
-                                 on_answer=on_answer)
+                                 on_answer=on_answer, check=check)
 
 
 def prompt_room(lm: LoadedModel, prompt: Sequence[int], opts: GenerationOptions) -> int:

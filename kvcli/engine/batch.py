@@ -140,6 +140,7 @@ class Row:
     first_token_at: float | None = None
     finished_at: float = 0.0
     finish_reason: str = ""
+    logits: list[torch.Tensor] | None = None  # with check: the raw logits [vocab] of every answer step
 
 
 class Decoder:
@@ -205,6 +206,8 @@ class Decoder:
         return out.logits  # [active, q or 1, vocab]
 
     def _take(self, row: Row, logits: torch.Tensor) -> None:
+        if row.logits is not None:
+            row.logits.append(logits.clone())  # before any processor: what check.compare measures
         token = row.choose(row.prompt + row.answer, logits)
         if row.first_token_at is None:
             row.first_token_at = time.perf_counter()
@@ -336,12 +339,18 @@ class Question:
     history: Sequence[Any] = ()
 
     def answer(self, session: Any, start: float) -> Any:
-        """The finished row as an Answer (timings counted from `start`)."""
+        """The finished row as an Answer (timings counted from `start`); with check, measured against a recompute."""
         from .answer import Answer
 
         r = self.row
         self.stream.end()
         cached = len(session.token_ids)
+        finished = r.finished_at - start  # the answer's own time: the check's recompute is not in it
+        checked = None
+        if r.logits is not None:
+            from . import check as ck
+
+            checked = ck.compare(session.lm, r.prompt, r.answer, torch.stack(r.logits) if r.logits else None)
         return Answer(
             question=self.text,
             answer=self.stream.text(),
@@ -351,16 +360,18 @@ class Question:
             new_tokens=len(r.appended),
             processed_tokens=r.processed,
             ttft_s=(r.first_token_at - start) if r.first_token_at else None,
-            total_s=r.finished_at - start,
+            total_s=finished,
             finish_reason=r.finish_reason,
             cache=str(session.path),
+            check=checked,
             history=[{"question": q, "answer": a} for q, a in self.history],
         )
 
 
 def question(session: Any, index: int, text: str, options: Any, *, history: Sequence[Any] = (),
-             on_text: Callable[[str], None] | None = None) -> Question:
-    """The row for one question on the session's document (raises GenerationError if its prompt does not fit)."""
+             on_text: Callable[[str], None] | None = None, check: bool = False) -> Question:
+    """The row for one question on the session's document (raises GenerationError if its prompt does not fit);
+    check: keep its raw logits, so its Answer is measured against a full recompute (engine/check.py)."""
     from .answer import _Stream, prompt_room
 
     lm = session.lm
@@ -373,20 +384,20 @@ def question(session: Any, index: int, text: str, options: Any, *, history: Sequ
         return stream.stopped
 
     row = Row(index=index, prompt=prompt, appended=prompt[len(session.token_ids):], max_new=prompt_room(lm, prompt, options),
-              choose=chooser(lm, options), on_token=on_token)
+              choose=chooser(lm, options), on_token=on_token, logits=[] if check else None)
     return Question(text, row, stream, tuple(history))
 
 
 def answer_many(session: Any, questions: Sequence[str], options: Any, *, batch_size: int, start: float,
                 on_text: Callable[[int, str], None] | None = None,
-                on_answer: Callable[[int, Any], None] | None = None) -> list[Any]:
+                on_answer: Callable[[int, Any], None] | None = None, check: bool = False) -> list[Any]:
     """Answer every question from the session's document, at most batch_size decoding together.
 
     Answers come back in question order; on_text(i, text) gets question i's settled text as it comes,
     on_answer(i, answer) each answer as soon as it is complete (in the order they finish).
     """
     model = session.lm.model
-    asked = [question(session, i, q, options, on_text=(lambda text, i=i: on_text(i, text)) if on_text else None)
+    asked = [question(session, i, q, options, on_text=(lambda text, i=i: on_text(i, text)) if on_text else None, check=check)
              for i, q in enumerate(questions)]
     answers: list[Any] = [None] * len(questions)
 
