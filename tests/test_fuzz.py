@@ -883,15 +883,13 @@ def pristine(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def pristine_q(pristine, tiny_model_dir, tmp_path_factory):
-    """The same document stored 4-bit (the quantized layout: exact tokens, packed codes, float16 scales)."""
-    from typer.testing import CliRunner
-
-    from kvcli.cli import app
+    """The same document stored 4-bit with both exact regions (the quantized layout: first and last tokens
+    exact, packed codes, float16 scales), whatever prefill's defaults for them are."""
+    import kvcli
 
     cache = tmp_path_factory.mktemp("fuzz-pristine-q4") / "pristine-q4.kv"
-    r = CliRunner().invoke(app, ["prefill", str(pristine.parent / "doc.txt"), "-o", str(cache), "--model", str(tiny_model_dir),
-                                 "--kv-bits", "4"])
-    assert r.exit_code == 0, r.stderr
+    kvcli.prefill(kvcli.load(str(tiny_model_dir)), kvcli.read_document(pristine.parent / "doc.txt"), cache, kv_bits=4,
+                  exact_tokens=4, recent_tokens=16)
     return cache
 
 

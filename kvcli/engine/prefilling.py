@@ -25,7 +25,7 @@ DEFAULT_LEVEL = 1  # measured on byte planes of a 4k float32 cache: level 1 -> 0
 DEFAULT_TRANSFORM = "byteplane"
 QUANT_GROUP = 64  # tokens (keys) / channels (values) per scale: chosen by measurement, README "Smaller caches"
 QUANT_EXACT = {8: 4, 4: 32}  # first tokens kept in the compute dtype (attention sinks), per bit width: measured, same place
-QUANT_RECENT = {8: 32, 4: 32}  # last tokens kept in the compute dtype (the recent window), per bit width: measured, same place
+QUANT_RECENT = {8: 0, 4: 0}  # last tokens kept in the compute dtype (the recent window), per bit width: measured, same place
 
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
 
