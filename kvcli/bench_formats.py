@@ -47,7 +47,7 @@ def measure(lm: LoadedModel, doc: Document, lossless: Path, qs: Sequence[str], k
             chunk_size: int, level: int, answer_tokens: int, note: Callable[[str], None], **scheme: int) -> dict[str, Any]:
     """{"lossless": {...}, "8-bit": {...}, ...}: sizes, restore, TTFT and agreement for every format.
 
-    `scheme` (group_size, exact_tokens) overrides prefill's defaults, to measure alternatives."""
+    `scheme` (group_size, exact_tokens, recent_tokens) overrides prefill's defaults, to measure alternatives."""
     opts = answer.GenerationOptions(max_new_tokens=answer_tokens)
     note(f"  reference: lossless answers to {len(qs)} question(s), {answer_tokens} tokens at most")
     ref = answer.Session(lm, lossless)

@@ -153,19 +153,17 @@ def prefill(
     if shard is not None and from_list is None:
         raise UsageError("--shard needs --from-list")
     if from_list is not None or is_url(output) or any(is_url(d) for d in docs):
-        if kv_bits is not None:
-            raise UsageError("--kv-bits does not work with --from-list or URLs yet")
         return _prefill_corpus(out, docs, from_list, shard, output, model=model, revision=revision, system=system, framing=framing,
                                chunk_size=chunk_size, dtype=dtype, device=device, encoding=encoding, force=force,
-                               trust_remote_code=trust_remote_code, json_out=json_out)
+                               trust_remote_code=trust_remote_code, json_out=json_out, kv_bits=kv_bits)
     if not docs:
         raise UsageError("no document given (DOC ..., or --from-list FILE)")
     targets, folder = _prefill_targets(docs, Path(output) if output is not None else None)
-    # a document on stdin, or a quantized cache (the server writes lossless ones), is prefilled in-process
-    if server is not False and "-" not in docs and kv_bits is None:
+    # a document on stdin is prefilled in-process
+    if server is not False and "-" not in docs:
         fields = {"docs": [[os.path.abspath(d), os.path.abspath(t)] for d, t in targets], "model": served.client_model(model or os.environ.get("KVCLI_MODEL")),
                   "revision": revision, "system": system, "framing": framing, "chunk_size": chunk_size, "dtype": dtype, "device": device,
-                  "encoding": encoding, "force": force, "trust_remote_code": trust_remote_code}
+                  "encoding": encoding, "force": force, "trust_remote_code": trust_remote_code, "kv_bits": kv_bits}
         if folder is not None:
             _make_folder(folder)  # the server writes into it
         code = served.run(out, server, "prefill", fields, [*(d for d, _ in targets), *(str(t) for _, t in targets), model],
@@ -213,7 +211,8 @@ def prefill(
 
 
 def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shard: Optional[str], output: Optional[str], *,
-                    model, revision, system, framing, chunk_size, dtype, device, encoding, force, trust_remote_code, json_out) -> int:
+                    model, revision, system, framing, chunk_size, dtype, device, encoding, force, trust_remote_code, json_out,
+                    kv_bits: Optional[int] = None) -> int:
     """Documents from a list and/or URLs, this process's share, one result line each (library: engine.corpus)."""
     from .engine import corpus, models, prefilling as pf
     from .remote import placement
@@ -233,7 +232,7 @@ def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shar
         lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     counts = {"built": 0, "skipped": 0, "failed": 0}
     results = corpus.run(lm, jobs, read=placement.reader(encoding), system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK,
-                         force=force, incremental=from_list is not None,
+                         force=force, incremental=from_list is not None, kv_bits=kv_bits,
                          progress_for=lambda job: out.progress(f"prefill {job.document}"))
     for r in results:
         counts[r.status] += 1

@@ -3,6 +3,7 @@
 `kvcli bench --kv-bits 8 --kv-bits 4` also measures plain prefills, naive torch.save and recompute TTFTs;
 this script runs only the part that compares formats (kvcli.bench_formats.measure, the same function), so
 it fits a busy machine: python tests/bench_formats_run.py [--tokens 4096] [--questions 16] [--answer-tokens 64]
+[--bits 8,4] [--group N] [--exact N] [--recent N] (the last three override prefill's defaults for every format)
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ def main() -> None:
     ap.add_argument("--bits", default="8,4")
     ap.add_argument("--group", type=int, default=None)
     ap.add_argument("--exact", type=int, default=None)
+    ap.add_argument("--recent", type=int, default=None, help="last tokens kept exact (default: prefill's, per bit width)")
     args = ap.parse_args()
-    scheme = {k: v for k, v in (("group_size", args.group), ("exact_tokens", args.exact)) if v is not None}
+    scheme = {k: v for k, v in (("group_size", args.group), ("exact_tokens", args.exact), ("recent_tokens", args.recent))
+              if v is not None}
     qs = []
     for name in ("questions.txt", "questions-more.txt"):
         qs += [l.strip() for l in (SAMPLES / name).read_text().splitlines() if l.strip() and not l.startswith("#")]

@@ -71,7 +71,9 @@ def test_check_on_an_exact_cache(tiny_lm, api_cache):
         assert a.answer_token_ids == reference_answer(tiny_lm.model, a.prompt_token_ids, 10)  # what "identical" claims
         body = a.to_json()
         assert body["check"] == {"identical": True, "tokens": 10, "first_divergence": None, "max_logit_diff": c.max_logit_diff,
-                                 "divergences": [], "dtype": "float32", "device": "cpu"}
+                                 "divergences": [], "dtype": "float32", "device": "cpu", "agreement": 1.0,
+                                 "kl_mean": c.kl_mean, "storage": "lossless"}
+        assert 0 <= c.kl_mean < 1e-6
         json.dumps(body)
     assert "check" not in session.ask(QUESTIONS[0], OPTS).to_json()  # only when asked for
 
@@ -160,6 +162,29 @@ def test_cli_check_exits_4_when_an_answer_differs_and_still_prints_it(cli_cache,
     answers = json_lines(run("ask", "-c", forged, "--check", "--json", "--max-new-tokens", "8", *QUESTIONS).stdout)
     assert any(not a["check"]["identical"] and a["check"]["divergences"] for a in answers)
     assert run("ask", "-c", forged, "--max-new-tokens", "8", QUESTIONS[0]).exit_code == 0
+
+
+def test_cli_check_on_a_quantized_cache_reports_agreement_and_exits_4_only_if_an_answer_differs(cli_cache, tiny_model_dir):
+    """An 8-bit cache is lossy: --check says so, reports the share of answer tokens whose top token is the
+    recompute's and the mean KL, and exits 4 exactly when some answer differs (0 when all are identical)."""
+    q8 = cli_cache.with_name("licence-q8.kv")
+    made = run("prefill", cli_cache.with_suffix(".txt"), "-o", q8, "--model", tiny_model_dir, "--kv-bits", "8", "--chunk-size", "100")
+    assert made.exit_code == 0, made.stderr
+    result = run("ask", "-c", q8, "--check", "--max-new-tokens", "8", *QUESTIONS)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("kvcli: check:")]
+    assert len(lines) == 2 and len(result.stdout.splitlines()) == 2, result.stderr
+    assert all("8-bit cache (lossy, differences expected)" in line and "answer tokens" in line and "mean KL" in line
+               for line in lines), lines
+    answers = json_lines(run("ask", "-c", q8, "--check", "--json", "--max-new-tokens", "8", *QUESTIONS).stdout)
+    checks = [a["check"] for a in answers]
+    assert [c["storage"] for c in checks] == ["8-bit", "8-bit"]
+    for c in checks:
+        assert c["tokens"] == 8 and c["agreement"] == (8 - len(c["divergences"])) / 8 and c["kl_mean"] >= 0
+        assert c["identical"] == (c["agreement"] == 1.0)
+    assert result.exit_code == (CHECK_DIFFERS_EXIT if not all(c["identical"] for c in checks) else 0), result.stderr
+    lossless = json_lines(run("ask", "-c", cli_cache, "--check", "--json", "--max-new-tokens", "8", QUESTIONS[0]).stdout)[0]
+    assert lossless["check"]["storage"] == "lossless" and lossless["check"]["agreement"] == 1.0
+    assert lossless["check"]["kl_mean"] < 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------- token ids

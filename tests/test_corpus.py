@@ -136,6 +136,23 @@ def test_another_model_makes_caches_stale(docs, tiny_model_dir, tmp_path):
     assert [r["status"] for r in json_lines(result.stdout)] == ["built", "built"]
 
 
+def test_kv_bits_with_a_list_builds_quantized_caches_and_another_storage_makes_them_stale(docs, tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    listing = write_list(tmp_path / "list.txt", docs[:2])
+    built = prefill_list(listing, out, tiny_model_dir, "--kv-bits", "8")
+    assert built.exit_code == 0, built.stderr
+    assert [r["status"] for r in json_lines(built.stdout)] == ["built", "built"]
+    assert [store.verify(out / f"doc{i}.kv").quant["bits"] for i in range(2)] == [8, 8]
+    again = prefill_list(listing, out, tiny_model_dir, "--kv-bits", "8")
+    assert [r["status"] for r in json_lines(again.stdout)] == ["skipped", "skipped"]
+    for extra, want in ((("--kv-bits", "4"), 4), ((), None)):  # another storage: rebuilt as asked
+        result = prefill_list(listing, out, tiny_model_dir, *extra)
+        assert [r["status"] for r in json_lines(result.stdout)] == ["built", "built"], result.stderr
+        assert (store.verify(out / "doc0.kv").quant or {}).get("bits") == want
+    assert [r["status"] for r in json_lines(prefill_list(listing, out, tiny_model_dir).stdout)] == ["skipped", "skipped"]
+
+
 def test_failures_never_stop_the_others(docs, tiny_model_dir, tmp_path):
     binary = tmp_path / "binary.txt"
     binary.write_bytes(b"\x00\x01\x02 not text")

@@ -167,7 +167,7 @@ def crafted_shards(stored: bytes, raw_bytes: int) -> list[tuple[str, bytes, int 
 
 
 def _quant_lies(header: dict, body: bytes, with_header, add) -> None:
-    """Header and content lies for a quantized shard (keys.exact/codes/scale/min, then values.*)."""
+    """Header and content lies for a quantized shard (keys.exact/recent/codes/scale/min, then values.*)."""
     codes = header["keys.codes"]
     nc = codes["data_offsets"]
     with_header("keys.codes dtype F32", lambda h: h["keys.codes"].update(dtype="F32"))
@@ -179,6 +179,9 @@ def _quant_lies(header: dict, body: bytes, with_header, add) -> None:
     with_header("keys.scale dtype F32 (F16 recorded)", lambda h: h["keys.scale"].update(dtype="F32"))
     with_header("values.min dtype BF16", lambda h: h["values.min"].update(dtype="BF16"))
     with_header("keys.scale shape +1", lambda h: h["keys.scale"].update(shape=[*h["keys.scale"]["shape"][:3], h["keys.scale"]["shape"][3] + 1]))
+    with_header("keys.recent one token less", lambda h: h["keys.recent"].update(shape=[*h["keys.recent"]["shape"][:2], h["keys.recent"]["shape"][2] - 1, h["keys.recent"]["shape"][3]]))
+    with_header("values.recent missing", lambda h: h.pop("values.recent"))
+    with_header("exact and recent swapped", lambda h: h.update({"keys.exact": h["keys.recent"], "keys.recent": h["keys.exact"]}))
     with_header("keys.exact one more token", lambda h: h["keys.exact"].update(shape=[1, h["keys.exact"]["shape"][1], h["keys.exact"]["shape"][2] + 1, h["keys.exact"]["shape"][3]]))
     with_header("scale and min swapped", lambda h: h.update({"keys.scale": h["keys.min"], "keys.min": h["keys.scale"]}))
     with_header("keys and values parts swapped", lambda h: h.update({"keys.codes": h["values.codes"], "values.codes": h["keys.codes"]}))
@@ -245,7 +248,8 @@ FIELDS: list[tuple[tuple, set[str]]] = [
 ] + [(("layers", 0, "key_shape", d), {"int"}) for d in range(4)] + [(("layers", 0, "value_shape", 3), {"int"})]
 QUANT_FIELDS: list[tuple[tuple, set[str]]] = [
     (("compression", "quant"), {"dict"}), (("compression", "quant", "bits"), {"int"}), (("compression", "quant", "group_size"), {"int"}),
-    (("compression", "quant", "exact_tokens"), {"int"}), (("compression", "quant", "scale_dtype"), {"str"}),
+    (("compression", "quant", "exact_tokens"), {"int"}), (("compression", "quant", "recent_tokens"), {"int"}),
+    (("compression", "quant", "scale_dtype"), {"str"}),
     (("compression", "quant", "keys"), {"str"}), (("compression", "quant", "values"), {"str"}),
 ]
 # never valid for a field of the kinds listed: a str "1" is fine for a str field, None for an optional one
@@ -611,6 +615,7 @@ def quant_catalogue(ctx) -> list[tuple[str, str, object]]:
         add(f"missing {path}", "bad", _recompute(lambda b, p=path: del_at(b, p)))
         add(f"plain edit {path}", "bad", _plain(lambda b, p=path: set_at(b, p, ["edited", get_at(b, p)])))
     for key, values in (("bits", (8, 3, 2, 16, 0)), ("group_size", (32, 128, 1, 0, 1 << 17)), ("exact_tokens", (0, 3, 5, 1 << 30)),
+                        ("recent_tokens", (0, 1, 1 << 30)),
                         ("scale_dtype", ("float32", "bfloat16", "float64")), ("keys", ("per_token", "")), ("values", ("per_channel",))):
         for v in values:
             add(f"quant {key} = {v!r}", "bad", _recompute(lambda b, k=key, v=v: b["compression"]["quant"].update({k: v})))
@@ -878,15 +883,13 @@ def pristine(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def pristine_q(pristine, tiny_model_dir, tmp_path_factory):
-    """The same document stored 4-bit (the quantized layout: exact tokens, packed codes, float16 scales)."""
-    from typer.testing import CliRunner
-
-    from kvcli.cli import app
+    """The same document stored 4-bit with both exact regions (the quantized layout: first and last tokens
+    exact, packed codes, float16 scales), whatever prefill's defaults for them are."""
+    import kvcli
 
     cache = tmp_path_factory.mktemp("fuzz-pristine-q4") / "pristine-q4.kv"
-    r = CliRunner().invoke(app, ["prefill", str(pristine.parent / "doc.txt"), "-o", str(cache), "--model", str(tiny_model_dir),
-                                 "--kv-bits", "4"])
-    assert r.exit_code == 0, r.stderr
+    kvcli.prefill(kvcli.load(str(tiny_model_dir)), kvcli.read_document(pristine.parent / "doc.txt"), cache, kv_bits=4,
+                  exact_tokens=4, recent_tokens=16)
     return cache
 
 
@@ -960,7 +963,7 @@ def test_fuzz_quantized_caches(pristine_q, tiny_model_dir, tmp_path):
     expects = [r["expect"] for r in results]
     assert expects.count("bad") > 100 and "model" in expects and expects.count("ok") >= 2
     labels = " ".join(r["label"] for r in results)
-    for needle in ("quant bits", "keys.codes", "NaN", "bomb", "format version 1", "random"):
+    for needle in ("quant bits", "keys.codes", "keys.recent", "recent_tokens", "NaN", "bomb", "format version 1", "random"):
         assert needle in labels, needle
 
 

@@ -12,7 +12,7 @@ import torch
 import kvcli
 from kvcli.documents import decode
 from kvcli.engine import fidelity, restore
-from kvcli.engine.prefilling import prefill, quant_spec, run_chunks
+from kvcli.engine.prefilling import QUANT_EXACT, QUANT_RECENT, prefill, quant_spec, run_chunks
 from kvcli.errors import CacheCorruptError, CacheVersionError, ModelError
 from kvcli.format import codec, manifest as mf, payload, quant, store
 from kvcli.engine import layers
@@ -22,8 +22,10 @@ from tests.helpers import assert_clean_error, run
 SHAPES = [(1, 3, 37, 16), (1, 2, 200, 64), (1, 1, 3, 5)]  # partial groups, several groups, fewer tokens than exact
 
 
-def _spec(bits, group=32, exact=4, scale_dtype="float16"):
-    return {"bits": bits, "group_size": group, "exact_tokens": exact, "scale_dtype": scale_dtype, **mf.QUANT_AXES}
+def _spec(bits, group=32, exact=4, scale_dtype="float16", recent=None):
+    """A compression.quant block; recent=None leaves recent_tokens out (a cache written before it existed)."""
+    spec = {"bits": bits, "group_size": group, "exact_tokens": exact, "scale_dtype": scale_dtype, **mf.QUANT_AXES}
+    return spec if recent is None else {**spec, "recent_tokens": recent}
 
 
 def _kv(shape, seed=0):
@@ -54,18 +56,46 @@ def _group_bound(x, axis, group, bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_round_trip_error_is_within_half_a_step_of_each_group_and_exact_tokens_are_exact(bits, shape):
+@pytest.mark.parametrize("recent", [None, 0, 8, 40])  # 40: more than some layers' tokens after the sinks
+def test_round_trip_error_is_within_half_a_step_of_each_group_and_exact_tokens_are_exact(bits, shape, recent):
     keys, values = _kv(shape)
-    spec = _spec(bits)
+    spec = _spec(bits, recent=recent)
     enc, k, v = _round_trip(keys, values, spec)
-    e = min(spec["exact_tokens"], shape[2])
-    assert torch.equal(k[:, :, :e], keys[:, :, :e]) and torch.equal(v[:, :, :e], values[:, :, :e])
+    n = shape[2]
+    e = min(spec["exact_tokens"], n)
+    r = min(recent or 0, n - e)  # the last r tokens: exact too
+    assert payload.quant_split(n, spec) == (e, n - e - r, r)
+    for got, want in ((k, keys), (v, values)):
+        assert torch.equal(got[:, :, :e], want[:, :, :e]) and torch.equal(got[:, :, n - r:], want[:, :, n - r:])
     for got, want, axis in ((k, keys, 2), (v, values, 3)):
-        rest = want[:, :, e:]
-        assert bool(((got[:, :, e:] - rest).abs() <= _group_bound(rest, axis, 32, bits)).all())
+        rest = want[:, :, e:n - r]
+        assert bool(((got[:, :, e:n - r] - rest).abs() <= _group_bound(rest, axis, 32, bits)).all())
     layout = payload.quant_layout("float32", shape, shape, spec)
     assert enc.decoded_bytes > payload.data_bytes(layout)  # header + the layout's bytes, nothing else
-    assert [e.name for e in layout] == [f"{t}.{p}" for t in ("keys", "values") for p in ("exact", "codes", "scale", "min")]
+    parts = ("exact", "recent", "codes", "scale", "min") if recent else ("exact", "codes", "scale", "min")
+    assert [e.name for e in layout] == [f"{t}.{p}" for t in ("keys", "values") for p in parts]
+
+
+def test_a_layer_shorter_than_sinks_and_recent_window_is_stored_exact():
+    """Sliding layers keep a short window: with no token left between the first and the last kept tokens
+    everything comes back bit-exact, and the codes, scales and minimums are empty."""
+    keys, values = _kv((1, 2, 30, 16))
+    spec = _spec(4, exact=8, recent=32)
+    enc, k, v = _round_trip(keys, values, spec)
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    sizes = {e.name: e.nbytes for e in payload.quant_layout("float32", keys.shape, values.shape, spec)}
+    assert sizes["keys.exact"] == 2 * 8 * 16 * 4 and sizes["keys.recent"] == 2 * 22 * 16 * 4
+    assert sizes["keys.codes"] == sizes["keys.scale"] == sizes["values.min"] == 0
+
+
+def test_recent_window_restores_into_views_with_room():
+    keys, values = _kv((1, 3, 300, 16))
+    bufs = [torch.full((1, 3, 307, 16), 7.0) for _ in range(2)]
+    out = tuple(b[:, :, :300] for b in bufs)
+    _, k, v = _round_trip(keys, values, _spec(4, exact=4, recent=64), out=out)
+    assert torch.equal(k[:, :, 236:], keys[:, :, 236:]) and torch.equal(v[:, :, 236:], values[:, :, 236:])
+    assert all(bool((b[:, :, 300:] == 7.0).all()) for b in bufs)  # the room after the document stays untouched
+    assert not torch.equal(k[:, :, 4:236], keys[:, :, 4:236])  # the middle is quantized
 
 
 def test_keys_per_channel_keep_small_channels_precise():
@@ -101,10 +131,14 @@ def test_dequantizes_into_views_with_room_and_leaves_the_room_alone():
     assert all(bool((b[:, :, 300:] == 7.0).all()) for b in bufs)
 
 
-def test_a_shard_decoded_with_another_scheme_is_corruption():
+@pytest.mark.parametrize("written, others", [
+    (_spec(8), [_spec(4), _spec(8, group=16), _spec(8, exact=5), _spec(8, scale_dtype="float32"), _spec(8, recent=4), None]),
+    (_spec(8, recent=8), [_spec(8), _spec(8, recent=0), _spec(8, recent=9), _spec(8, exact=5, recent=7), _spec(4, recent=8)]),
+], ids=["no recent window", "recent window"])
+def test_a_shard_decoded_with_another_scheme_is_corruption(written, others):
     keys, values = _kv((1, 2, 64, 16))
-    enc = codec.encode_layer(keys, values, transform="none", level=1, quant=_spec(8))
-    for other in (_spec(4), _spec(8, group=16), _spec(8, exact=5), _spec(8, scale_dtype="float32"), None):
+    enc = codec.encode_layer(keys, values, transform="none", level=1, quant=written)
+    for other in others:
         for check in ("codec", "store"):
             with pytest.raises(CacheCorruptError):
                 kw = dict(transform="none", key_shape=tuple(keys.shape), value_shape=tuple(values.shape),
@@ -114,7 +148,7 @@ def test_a_shard_decoded_with_another_scheme_is_corruption():
                 else:
                     store.check_payload(enc.data, where="s", dtype="float32", **kw)
     store.check_payload(enc.data, where="s", dtype="float32", transform="none", key_shape=tuple(keys.shape),
-                        value_shape=tuple(values.shape), decoded_bytes=enc.decoded_bytes, quant=_spec(8))
+                        value_shape=tuple(values.shape), decoded_bytes=enc.decoded_bytes, quant=written)
 
 
 def test_non_finite_caches_are_not_quantized():
@@ -149,11 +183,13 @@ def test_quantized_cache_manifest_sizes_and_verify(caches, bits):
     m = store.verify(caches[bits])
     lossless = store.read_manifest(caches[None])
     assert m.format_version == mf.QUANT_FORMAT_VERSION and lossless.format_version == mf.FORMAT_VERSION
-    assert m.quant == {"bits": bits, "group_size": 64, "exact_tokens": 4 if bits == 8 else 32, "scale_dtype": "float16",
-                       "keys": "per_channel", "values": "per_token"}
+    assert m.quant == {"bits": bits, "group_size": 64, "exact_tokens": QUANT_EXACT[bits], "recent_tokens": QUANT_RECENT[bits],
+                       "scale_dtype": "float16", "keys": "per_channel", "values": "per_token"}
     assert m.storage == f"{bits}-bit" and m.transform == "none"
     assert m.bytes_raw == lossless.bytes_raw  # raw: the float32 tensors the cache restores to
-    assert m.bytes_stored < (0.45 if bits == 8 else 0.3) * m.bytes_raw  # head_dim 16: one scale per 16 values
+    first, _mid, last = payload.quant_split(m.num_tokens, m.quant)
+    kept = (first + last) / m.num_tokens  # the share stored exact, as raw; the rest: head_dim 16, one scale per 16 values
+    assert m.bytes_stored < (kept + (1 - kept) * (0.45 if bits == 8 else 0.3)) * m.bytes_raw
     for layer in m.layers:
         lay = payload.quant_layout(m.dtype, layer.key_shape, layer.value_shape, m.quant)
         assert payload.data_bytes(lay) < layer.decoded_bytes <= payload.data_bytes(lay) + 8 + payload.MAX_HEADER
@@ -197,6 +233,10 @@ def test_sliding_layers_are_quantized_too(tokenizer, doc, tmp_path):
         assert b.seq_length == a.seq_length and torch.equal(a.keys[:, :, :4], b.keys[:, :, :4])
         assert (a.keys - b.keys).norm() / a.keys.norm() < 0.12
     assert session.ask("Who is the licensor?", kvcli.GenerationOptions(max_new_tokens=4)).answer_token_ids
+    # a window shorter than the first and last tokens kept together: everything stored exact
+    prefill(lm, doc, path, chunk_size=100, kv_bits=4, exact_tokens=4, recent_tokens=40, force=True)
+    for a, b in zip(fresh, kvcli.Session(lm, path).states):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_prefill_refuses_other_bit_widths(tiny_lm, doc, tmp_path):
@@ -225,6 +265,10 @@ def _parse(body):
     lambda b: b["compression"]["quant"].update(group_size=0),
     lambda b: b["compression"]["quant"].update(group_size=1 << 20),
     lambda b: b["compression"]["quant"].update(exact_tokens=-1),
+    lambda b: b["compression"]["quant"].update(recent_tokens=-1),
+    lambda b: b["compression"]["quant"].update(recent_tokens=None),
+    lambda b: b["compression"]["quant"].update(recent_tokens="8"),
+    lambda b: b["compression"]["quant"].update(recent_tokens=8.0),
     lambda b: b["compression"]["quant"].update(scale_dtype="bfloat16"),
     lambda b: b["compression"]["quant"].update(keys="per_token"),
     lambda b: b["compression"]["quant"].update(extra=1),
@@ -243,7 +287,8 @@ def test_manifest_refuses_bad_quant_blocks(caches, edit):
         _parse(body)
 
 
-@pytest.mark.parametrize("change", [{"group_size": 32}, {"exact_tokens": 0}, {"bits": 8}, {"scale_dtype": "float32"}])
+@pytest.mark.parametrize("change", [{"group_size": 32}, {"exact_tokens": 0}, {"bits": 8}, {"scale_dtype": "float32"},
+                                    {"recent_tokens": QUANT_RECENT[4] + 16}, {"recent_tokens": 0 if QUANT_RECENT[4] else 8}])
 def test_a_consistent_manifest_with_another_scheme_fails_verify_and_restore(tiny_lm, caches, tmp_path, change):
     """Within the header slack a manifest may name another scheme: each shard's layout check catches it."""
     import shutil
@@ -262,6 +307,23 @@ def test_a_consistent_manifest_with_another_scheme_fails_verify_and_restore(tiny
         store.verify(path)
     with pytest.raises(CacheCorruptError, match="layer_0"):
         kvcli.Session(tiny_lm, path)
+
+
+def test_a_version_2_cache_written_before_the_recent_window_still_reads(tiny_lm, doc, caches, tmp_path):
+    """Caches written before recent_tokens existed have no such field: it means 0, and they verify and
+    answer exactly like the same cache with the field."""
+    path = tmp_path / "old.kv"
+    prefill(tiny_lm, doc, path, chunk_size=100, kv_bits=8, recent_tokens=0)
+    opts = kvcli.GenerationOptions(max_new_tokens=6)
+    want = kvcli.Session(tiny_lm, path).ask("Who is the licensor?", opts).answer_token_ids
+    body = _body(path)
+    assert body["compression"]["quant"].pop("recent_tokens") == 0
+    body["manifest_sha256"] = mf.checksum(body)
+    (path / mf.MANIFEST_NAME).write_text(json.dumps(body))
+    m = store.verify(path)
+    assert m.format_version == 2 and "recent_tokens" not in m.quant
+    assert kvcli.Session(tiny_lm, path).ask("Who is the licensor?", opts).answer_token_ids == want
+    assert "first 4 and last 0 tokens exact" in run("info", path).stdout
 
 
 def test_an_older_kvcli_says_the_version_is_not_supported(caches, monkeypatch):
@@ -283,8 +345,10 @@ def test_cli_prefill_kv_bits_and_info_ls_verify_show_the_scheme(tiny_model_dir, 
     cache = tmp_path / "doc.kv"
     r = run("info", cache)
     assert r.exit_code == 0 and "4-bit" in r.stdout and "per channel" in r.stdout and "groups of 64" in r.stdout
+    assert f"first {QUANT_EXACT[4]} and last {QUANT_RECENT[4]} tokens exact" in r.stdout
     info = json.loads(run("info", cache, "--json").stdout)
     assert info["storage"] == "4-bit" and info["compression"]["quant"]["bits"] == 4 and info["format_version"] == 2
+    assert info["compression"]["quant"]["recent_tokens"] == QUANT_RECENT[4]
     r = run("verify", cache)
     assert r.exit_code == 0 and "4-bit" in r.stderr
     assert json.loads(run("verify", cache, "--json").stdout)["storage"] == "4-bit"

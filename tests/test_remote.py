@@ -157,6 +157,18 @@ def test_round_trip_and_no_second_download(s3, bucket, docs, tiny_model_dir, tmp
     assert again.exit_code == 1 and "already exists (use --force" in again.stderr
 
 
+def test_kv_bits_prefill_to_a_bucket(s3, bucket, docs, tiny_model_dir, tmp_path, store_home):
+    """--kv-bits with a URL: the bucket holds a 4-bit cache that verifies and answers like a local one."""
+    url = f"s3://{bucket}/q4/doc0.kv"
+    built = run("prefill", docs[0], "-o", url, "--model", tiny_model_dir, "--kv-bits", "4", "--json")
+    assert built.exit_code == 0, built.stderr
+    verified = run("verify", url, "--json")
+    assert verified.exit_code == 0 and json_lines(verified.stdout)[0]["storage"] == "4-bit", verified.stderr
+    local = tmp_path / "doc0-q4.kv"
+    assert run("prefill", docs[0], "-o", local, "--model", tiny_model_dir, "--kv-bits", "4").exit_code == 0
+    assert answer_ids(url) == answer_ids(str(local))
+
+
 # Runs `kvcli ARGS...` with the object store's put_file wrapped so the process stops itself (SIGSTOP) right
 # after uploading the file named by the first argument: production code has no test hook.
 STOP_AFTER_UPLOAD = """

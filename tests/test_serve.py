@@ -151,6 +151,20 @@ def test_prefill_through_the_server(here, world):
     assert refused.exit_code == local.exit_code == 1 and refused.stderr == local.stderr
 
 
+def test_prefill_kv_bits_through_the_server_equals_in_process(here, world, server):
+    """--kv-bits travels to the server: the served 8-bit cache holds the same shards as an in-process one."""
+    served = run("prefill", "a.txt", "-o", "q8.kv", "--model", str(world["model"]), "--kv-bits", "8", "--json", "--force")
+    assert served.exit_code == 0, served.stderr
+    (row,) = json_lines(served.stdout)
+    assert row["served"] is True and row["storage"] == "8-bit" and "8-bit" in served.stderr
+    local = run("prefill", "a.txt", "-o", "q8-local.kv", "--model", str(world["model"]), "--kv-bits", "8", "--no-server", "--force")
+    assert local.exit_code == 0, local.stderr
+    a, b = kvcli.verify("q8.kv"), kvcli.verify("q8-local.kv")
+    assert a.quant == b.quant and a.quant["bits"] == 8 and [x.sha256 for x in a.layers] == [x.sha256 for x in b.layers]
+    bad = raw_request(server.path, protocol.encode({"op": "prefill", "docs": [[str(here / "a.txt"), str(here / "x.kv")]], "kv_bits": 3}))
+    assert bad[-1]["event"] == "fail" and "kv_bits" in bad[-1]["message"] and not (here / "x.kv").exists()
+
+
 def _reference(world, cache, question, n):
     return kvcli.Session(world["lm"], cache).ask(question, kvcli.GenerationOptions(max_new_tokens=n)).answer_token_ids
 

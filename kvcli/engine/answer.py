@@ -230,7 +230,7 @@ class Session:
         if check:
             from . import check as ck
 
-            checked = ck.compare(self.lm, prompt, answer_ids, logits)
+            checked = ck.compare(self.lm, prompt, answer_ids, logits, storage=self.manifest.storage)
         return Answer(
             question=question,
             answer=text,

@@ -5,6 +5,8 @@ is generated (generate's output_logits). The reference is one forward over promp
 cache, teacher-forced: at each answer step both paths see exactly the same ids, so their logits can be
 compared position by position. Greedy answers are identical as long as both pick the same top token at
 every step; where they do not, the top two logits nearly tie (within twice the largest difference).
+An 8-/4-bit cache is lossy, so there differences are expected: the check then reports how closely the
+answer follows the recompute (share of positions with the same top token, mean KL divergence).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class Check:
     divergences: list[Divergence] = field(default_factory=list)
     dtype: str = ""
     device: str = ""
+    agreement: float = 1.0  # share of compared positions whose top token is the recompute's
+    kl_mean: float = 0.0  # mean KL(recompute || cached) of the next-token distributions, in nats
+    storage: str = "lossless"  # the cache's storage (manifest): "8-bit"/"4-bit" are lossy, differences expected
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,6 +51,12 @@ class Check:
     def describe(self) -> str:
         """One line for people (the CLI prints it on stderr)."""
         diff = f"largest logit difference {self.max_logit_diff:.3g}"
+        if self.storage != "lossless":  # lossy: differences are expected, the agreement is the news
+            same = self.tokens - len(self.divergences)
+            where = "" if self.identical else f", first differs at answer token {self.first_divergence}"
+            return (f"{self.storage} cache (lossy, differences expected): {'identical' if self.identical else 'DIFFERS'}; "
+                    f"top token agrees with a full recompute at {same} of {self.tokens} answer tokens ({self.agreement:.1%}){where}; "
+                    f"mean KL {self.kl_mean:.2g} nats; {diff}")
         if self.identical:
             return f"identical to a full recompute over {self.tokens} tokens ({diff})"
         margins = ", ".join(f"{d.margin:.3g}" for d in self.divergences[:3]) + (" ..." if len(self.divergences) > 3 else "")
@@ -53,8 +64,10 @@ class Check:
                 f"({len(self.divergences)} position(s) disagree, top-1/top-2 margin {margins}; {diff})")
 
 
-def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int], cached_logits: Any) -> Check:
-    """Compare the cached path's logits [answer, vocab] with one uncached forward over the same ids."""
+def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int], cached_logits: Any,
+            storage: str = "lossless") -> Check:
+    """Compare the cached path's logits [answer, vocab] with one uncached forward over the same ids
+    (`storage`: the cache's, from its manifest; lossy ones are described as such)."""
     import torch
 
     from ..format.codec import dtype_name
@@ -62,7 +75,7 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int
     n = len(answer_ids)
     if n == 0:
         return Check(identical=True, tokens=0, first_divergence=None, max_logit_diff=0.0,
-                     dtype=dtype_name(lm.dtype), device=lm.device.type)
+                     dtype=dtype_name(lm.dtype), device=lm.device.type, storage=storage)
     ids = torch.tensor([list(prompt_ids) + list(answer_ids[:-1])], device=lm.device)  # [1, prompt + answer - 1]
     with torch.inference_mode():
         # logits_to_keep=n: only the positions that predict answer tokens, [1, n, vocab]
@@ -72,6 +85,8 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int
     if got.shape != ref.shape:
         raise ValueError(f"cached logits {tuple(got.shape)} do not match the recompute's {tuple(ref.shape)}")
     diff = (got - ref).abs().amax(dim=-1)  # [n]
+    log_ref, log_got = torch.log_softmax(ref, dim=-1), torch.log_softmax(got, dim=-1)  # [n, vocab]
+    kl = (log_ref.exp() * (log_ref - log_got)).sum(-1).clamp_min(0)  # [n]
     top_ref, top_got = ref.topk(2, dim=-1), got.topk(2, dim=-1)
     divergences = []
     for i in (top_ref.indices[:, 0] != top_got.indices[:, 0]).nonzero().flatten().tolist():
@@ -91,6 +106,9 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int
         divergences=divergences,
         dtype=dtype_name(lm.dtype),
         device=lm.device.type,
+        agreement=(n - len(divergences)) / n,
+        kl_mean=float(kl.mean()),
+        storage=storage,
     )
 
 

@@ -168,9 +168,14 @@ def plan(entries: list[str], target_for: Callable[[str], Target]) -> list[Job]:
     ]
 
 
-def up_to_date(m: mf.Manifest, lm: LoadedModel, document: Document, framing: dict[str, Any]) -> bool:
-    """Whether a cache's manifest says it holds this document for this model and framing (no shard read)."""
-    if m.format_version != mf.FORMAT_VERSION or m.document.get("sha256") != document.sha256:
+def up_to_date(m: mf.Manifest, lm: LoadedModel, document: Document, framing: dict[str, Any],
+               kv_bits: int | None = None) -> bool:
+    """Whether a cache's manifest says it holds this document for this model and framing, stored as asked
+    (lossless, or quantized to kv_bits bits), without reading a shard."""
+    want = mf.FORMAT_VERSION if kv_bits is None else mf.QUANT_FORMAT_VERSION
+    if m.format_version != want or m.document.get("sha256") != document.sha256:
+        return False
+    if (m.quant or {}).get("bits") != kv_bits:
         return False
     if any(m.model.get(k) != lm.fingerprint.get(k) for k in FINGERPRINT_KEYS):
         return False
@@ -188,6 +193,7 @@ def run(
     force: bool = False,
     incremental: bool = True,
     progress_for: Callable[[Job], Any] | None = None,
+    kv_bits: int | None = None,
 ) -> Iterator[DocResult]:
     """Prefill each job's document, yielding one result per document as it finishes.
 
@@ -195,6 +201,7 @@ def run(
     Without it (plain prefill) an existing cache is an error unless force. With force every
     document is rebuilt. A cache that appears while building (another process with an overlapping
     share) counts as skipped when it is up to date. Failures become results, never exceptions.
+    kv_bits 8 or 4 stores the caches quantized; a cache stored otherwise is not up to date.
     """
     record = fr.choose(lm.tokenizer, framing, system).record(lm.tokenizer)
     for job in jobs:
@@ -210,13 +217,13 @@ def run(
             document = read(job.document)
             current = job.target.current()
             if current is not None and not force:
-                if incremental and up_to_date(current, lm, document, record):
+                if incremental and up_to_date(current, lm, document, record, kv_bits):
                     yield result("skipped", current.num_tokens)
                     continue
                 if not incremental:
                     raise CacheExistsError(f"{job.target.name}: already exists (use --force to replace it)")
             cm = progress_for(job) if progress_for else None
-            options = dict(system=system, framing=framing, chunk_size=chunk_size)
+            options = dict(system=system, framing=framing, chunk_size=chunk_size, kv_bits=kv_bits)
             replace = force or incremental  # a corpus run replaces a stale or broken cache (never a folder that is no cache)
             try:
                 if cm is None:
@@ -226,7 +233,7 @@ def run(
                         r = job.target.write(lm, document, force=replace, progress=update, **options)
             except CacheExistsError:
                 now = job.target.current()  # written meanwhile by another process
-                if incremental and now is not None and up_to_date(now, lm, document, record):
+                if incremental and now is not None and up_to_date(now, lm, document, record, kv_bits):
                     yield result("skipped", now.num_tokens)
                     continue
                 raise

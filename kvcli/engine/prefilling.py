@@ -25,6 +25,7 @@ DEFAULT_LEVEL = 1  # measured on byte planes of a 4k float32 cache: level 1 -> 0
 DEFAULT_TRANSFORM = "byteplane"
 QUANT_GROUP = 64  # tokens (keys) / channels (values) per scale: chosen by measurement, README "Smaller caches"
 QUANT_EXACT = {8: 4, 4: 32}  # first tokens kept in the compute dtype (attention sinks), per bit width: measured, same place
+QUANT_RECENT = {8: 0, 4: 0}  # last tokens kept in the compute dtype (the recent window), per bit width: measured, same place
 
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
 
@@ -94,6 +95,7 @@ def prefill(
     kv_bits: int | None = None,
     group_size: int = QUANT_GROUP,
     exact_tokens: int | None = None,
+    recent_tokens: int | None = None,
 ) -> PrefillResult:
     """Compute the document's cache and write it atomically to `out` (replacing only with force).
 
@@ -105,8 +107,11 @@ def prefill(
         raise UsageError(f"--kv-bits must be 8 or 4 (or absent for lossless), got {kv_bits}")
     if exact_tokens is None:
         exact_tokens = QUANT_EXACT.get(kv_bits, 0)
-    if not 1 <= group_size <= mf.MAX_GROUP or exact_tokens < 0:
-        raise UsageError(f"quantization group size {group_size} / exact tokens {exact_tokens} out of range")
+    if recent_tokens is None:
+        recent_tokens = QUANT_RECENT.get(kv_bits, 0)
+    if not 1 <= group_size <= mf.MAX_GROUP or exact_tokens < 0 or recent_tokens < 0:
+        raise UsageError(f"quantization group size {group_size} / exact tokens {exact_tokens} / recent tokens "
+                         f"{recent_tokens} out of range")
     frame = fr.choose(lm.tokenizer, framing, system)
     ids, frame = document_split(lm, document, frame)
     out = Path(out)
@@ -119,7 +124,8 @@ def prefill(
         compression = {"codec": "zstd", "level": level, "transform": transform}
         if kv_bits is not None:
             compression = {**compression, "transform": "none",
-                           "quant": quant_spec(states, kv_bits, group_size=group_size, exact_tokens=exact_tokens)}
+                           "quant": quant_spec(states, kv_bits, group_size=group_size, exact_tokens=exact_tokens,
+                                              recent_tokens=recent_tokens)}
         entries = write_layers(tmp, states, len(ids), transform=compression["transform"], level=level,
                                quant=compression.get("quant"))
         manifest = mf.Manifest(
@@ -140,18 +146,21 @@ def prefill(
 
 
 def quant_spec(states: list[layers.LayerState], bits: int, *, group_size: int = QUANT_GROUP,
-               exact_tokens: int | None = None) -> dict:
+               exact_tokens: int | None = None, recent_tokens: int | None = None) -> dict:
     """The manifest's compression.quant block for these states (float32 scales only if float16 would overflow)."""
     from ..format.quant import choose_scale_dtype
 
     if exact_tokens is None:
         exact_tokens = QUANT_EXACT[bits]
+    if recent_tokens is None:
+        recent_tokens = QUANT_RECENT[bits]
     tensors = [t for s in states for t in (s.keys, s.values)]
     try:
         scale_dtype = choose_scale_dtype(tensors)
     except ValueError as exc:
         raise ModelError(str(exc)) from None
-    return {"bits": bits, "group_size": group_size, "exact_tokens": exact_tokens, "scale_dtype": scale_dtype, **mf.QUANT_AXES}
+    return {"bits": bits, "group_size": group_size, "exact_tokens": exact_tokens, "recent_tokens": recent_tokens,
+            "scale_dtype": scale_dtype, **mf.QUANT_AXES}
 
 
 def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: int, *, transform: str, level: int,

@@ -44,7 +44,7 @@ def describe_storage(m: Manifest) -> str:
     if q is None:
         return f"lossless ({c.get('transform', 'none')}, zstd level {c.get('level')})"
     return (f"{q['bits']}-bit (lossy): keys per channel, values per token, groups of {q['group_size']}, "
-            f"first {q['exact_tokens']} tokens exact, {q['scale_dtype']} scales, zstd level {c.get('level')}")
+            f"first {q['exact_tokens']} and last {q.get('recent_tokens', 0)} tokens exact, {q['scale_dtype']} scales, zstd level {c.get('level')}")
 
 
 def layer_rows(m: Manifest) -> list[dict[str, Any]]:

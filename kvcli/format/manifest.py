@@ -23,6 +23,7 @@ SUPPORTED_VERSIONS = (FORMAT_VERSION, QUANT_FORMAT_VERSION)
 KV_BITS = (8, 4)
 MAX_GROUP = 1 << 16
 _QUANT_KEYS = {"bits", "group_size", "exact_tokens", "scale_dtype", "keys", "values"}
+_QUANT_OPTIONAL = {"recent_tokens"}  # the last tokens kept exact; caches written before it have none (0)
 QUANT_AXES = {"keys": "per_channel", "values": "per_token"}  # keys: groups of tokens in one channel; values: of channels in one token
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024  # token ids of a 1M-token document fit with room to spare
@@ -98,7 +99,7 @@ class Manifest:
 
     @property
     def quant(self) -> dict[str, Any] | None:
-        """The quantization scheme (bits, group_size, exact_tokens, scale_dtype, axes), None if lossless."""
+        """The quantization scheme (bits, group_size, exact_tokens, [recent_tokens,] scale_dtype, axes), None if lossless."""
         return self.compression.get("quant")
 
     @property
@@ -324,12 +325,15 @@ def _quant(quant: Any, compression: dict, where: str) -> None:
     """The quantization block: exactly these fields, each in range (sizes and layout follow from it)."""
     if not isinstance(quant, dict):
         raise _bad(where, "manifest field 'compression.quant' has the wrong type")
-    if set(quant) != _QUANT_KEYS:
-        raise _bad(where, f"compression.quant fields {sorted(quant)} are not {sorted(_QUANT_KEYS)}")
+    if not _QUANT_KEYS <= set(quant) <= _QUANT_KEYS | _QUANT_OPTIONAL:
+        raise _bad(where, f"compression.quant fields {sorted(quant)} are not {sorted(_QUANT_KEYS)} "
+                          f"(plus optionally {sorted(_QUANT_OPTIONAL)})")
     if _int(quant, "compression.quant.bits", where, 1, 64) not in KV_BITS:
         raise _bad(where, f"unsupported quantization to {quant['bits']} bits")
     _int(quant, "compression.quant.group_size", where, 1, MAX_GROUP)
     _int(quant, "compression.quant.exact_tokens", where, 0, MAX_TOKENS)
+    if "recent_tokens" in quant:
+        _int(quant, "compression.quant.recent_tokens", where, 0, MAX_TOKENS)
     if _str(quant, "compression.quant.scale_dtype", where) not in ("float16", "float32"):
         raise _bad(where, "unsupported compression.quant.scale_dtype")
     for key, axis in QUANT_AXES.items():

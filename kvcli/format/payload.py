@@ -78,22 +78,34 @@ def layout(dtype: str, key_shape, value_shape, *, transform: str = "none", quant
     return out
 
 
+def quant_split(n: int, quant: dict) -> tuple[int, int, int]:
+    """(first, quantized, last) token counts of a layer storing n tokens: the first `exact_tokens` (attention
+    sinks) and the last `recent_tokens` (the recent window; absent in older caches: 0) stay exact, the rest is
+    quantized. A layer shorter than both together stores everything exact."""
+    first = min(quant["exact_tokens"], n)
+    last = min(quant.get("recent_tokens", 0), n - first)
+    return first, n - first - last, last
+
+
 def quant_layout(dtype: str, key_shape, value_shape, quant: dict) -> list[Entry]:
     """Quantized payload: per tensor (keys, then values) NAME.exact (the first exact tokens in the compute
-    dtype), NAME.codes (U8, packed codes of the other tokens), NAME.scale and NAME.min (one per group:
-    keys group `group_size` tokens of one channel, values `group_size` channels of one token)."""
+    dtype), NAME.recent (the last recent tokens in the compute dtype; only when the scheme keeps any),
+    NAME.codes (U8, packed codes of the tokens between), NAME.scale and NAME.min (one per group: keys group
+    `group_size` tokens of one channel, values `group_size` channels of one token)."""
     item, bits, group = ITEM_SIZES[dtype], quant["bits"], quant["group_size"]
     sdtype = quant["scale_dtype"]
     out = []
     for name, shape, axis in (("keys", tuple(key_shape), 2), ("values", tuple(value_shape), 3)):
         b, h, n, d = shape
-        exact = min(quant["exact_tokens"], n)
-        rest = (b, h, n - exact, d)
+        first, mid, last = quant_split(n, quant)
+        rest = (b, h, mid, d)
         stats = list(rest)
         stats[axis] = -(-stats[axis] // group)
         stats = tuple(stats)
+        out.append(Entry(f"{name}.exact", ST_DTYPES[dtype], (b, h, first, d), item * b * h * first * d))
+        if quant.get("recent_tokens", 0) > 0:
+            out.append(Entry(f"{name}.recent", ST_DTYPES[dtype], (b, h, last, d), item * b * h * last * d))
         out += [
-            Entry(f"{name}.exact", ST_DTYPES[dtype], (b, h, exact, d), item * b * h * exact * d),
             Entry(f"{name}.codes", "U8", (code_bytes(_numel(rest), bits),), code_bytes(_numel(rest), bits)),
             Entry(f"{name}.scale", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * _numel(stats)),
             Entry(f"{name}.min", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * _numel(stats)),

@@ -102,13 +102,15 @@ def axes(name: str) -> int:
 
 def quantize_layer(keys: torch.Tensor, values: torch.Tensor, spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     """One layer's keys/values ([1, heads, tokens, dim] each) -> the named payload tensors, in layout order."""
-    bits, group, exact = spec["bits"], spec["group_size"], spec["exact_tokens"]
+    bits, group = spec["bits"], spec["group_size"]
     sdtype = SCALE_DTYPES[spec["scale_dtype"]]
     out: dict[str, torch.Tensor] = {}
     for name, t in (("keys", keys), ("values", values)):
-        n = min(exact, t.shape[2])
-        codes, scale, mn = quantize(t[:, :, n:], axis=axes(name), group=group, bits=bits, scale_dtype=sdtype)
-        out[f"{name}.exact"] = t[:, :, :n].contiguous()  # [1, heads, exact, dim] in the compute dtype
+        first, mid, last = payload.quant_split(t.shape[2], spec)
+        codes, scale, mn = quantize(t[:, :, first:first + mid], axis=axes(name), group=group, bits=bits, scale_dtype=sdtype)
+        out[f"{name}.exact"] = t[:, :, :first].contiguous()  # [1, heads, first, dim] in the compute dtype
+        if spec.get("recent_tokens", 0) > 0:
+            out[f"{name}.recent"] = t[:, :, first + mid:].contiguous()  # [1, heads, last, dim] in the compute dtype
         out[f"{name}.codes"] = codes
         out[f"{name}.scale"] = scale.contiguous()
         out[f"{name}.min"] = mn.contiguous()
@@ -121,15 +123,18 @@ def dequantize_layer(read: Callable[[str, torch.Tensor], None], out: tuple[torch
                      spec: dict[str, Any], *, where: str = "shard") -> None:
     """Fill out = (keys, values) from the payload tensors, which `read(name, buffer)` fills in layout order.
 
-    Exact tokens land straight in their place; codes and scales go through buffers sized by the layout."""
+    Exact tokens (first and last) land straight in their place; codes and scales go through buffers sized
+    by the layout, then are dequantized into the tokens between, a group block at a time."""
     from ..errors import CacheCorruptError
 
     bits, group = spec["bits"], spec["group_size"]
     sdtype = SCALE_DTYPES[spec["scale_dtype"]]
     for name, dst in zip(("keys", "values"), out):
-        n = min(spec["exact_tokens"], dst.shape[2])
-        read(f"{name}.exact", dst[:, :, :n])
-        rest = dst[:, :, n:]
+        first, mid, last = payload.quant_split(dst.shape[2], spec)
+        read(f"{name}.exact", dst[:, :, :first])
+        if spec.get("recent_tokens", 0) > 0:
+            read(f"{name}.recent", dst[:, :, first + mid:first + mid + last])
+        rest = dst[:, :, first:first + mid]
         packed = torch.empty(payload.code_bytes(rest.numel(), bits), dtype=torch.uint8)
         read(f"{name}.codes", packed)
         stats = list(rest.shape)

@@ -175,6 +175,9 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     pairs = req.get("docs")
     if not isinstance(pairs, list) or not pairs or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in pairs):
         raise protocol.ProtocolError("docs must be a non-empty list of [document, cache] paths")
+    kv_bits = req.get("kv_bits")
+    if kv_bits is not None and (type(kv_bits) is not int or kv_bits not in (8, 4)):
+        raise protocol.ProtocolError("kv_bits must be 8, 4 or null")
     failed: list[KvcliError] = []
 
     def report(exc: KvcliError) -> None:
@@ -200,7 +203,8 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
                 try:
                     with model.lock:
                         r = pf.prefill(model.lm, document, target, system=req.get("system"), framing=req.get("framing") or "auto",
-                                       chunk_size=req.get("chunk_size") or pf.DEFAULT_CHUNK, force=bool(req.get("force")))
+                                       chunk_size=req.get("chunk_size") or pf.DEFAULT_CHUNK, force=bool(req.get("force")),
+                                       kv_bits=kv_bits)
                 except KvcliError as exc:
                     report(exc)
                     continue
@@ -208,7 +212,7 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
                 m = r.manifest
                 conn.send(protocol.event("prefilled", index=index, result={
                     "num_tokens": m.num_tokens, "compute_s": r.compute_s, "write_s": r.write_s,
-                    "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored}))
+                    "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored, "storage": m.storage}))
     if failed:
         conn.send(protocol.event("error", message=f"{len(failed)} of {len(pairs)} documents failed", hint=None, exit_code=1))
         return 1

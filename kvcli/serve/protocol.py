@@ -13,7 +13,7 @@ Requests (`op`); every reply starts with an `accepted` event:
            and optionally the conversation the questions follow: history: [[question, answer], ...],
            or follow_up: an `ask --json` answer object (follow_up_name: its file, for messages)
   prefill  docs: [[abs doc path, abs cache path]], model, revision, device, dtype, system, framing,
-           chunk_size, encoding, force, trust_remote_code
+           chunk_size, encoding, force, trust_remote_code, kv_bits (8, 4 or null: lossless)
 
 Events streamed for ask/prefill (mirroring what `kvcli` writes in-process):
   accepted {"op"}                    the server took the request (sent first)
