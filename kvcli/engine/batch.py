@@ -350,7 +350,8 @@ class Question:
         if r.logits is not None:
             from . import check as ck
 
-            checked = ck.compare(session.lm, r.prompt, r.answer, torch.stack(r.logits) if r.logits else None)
+            checked = ck.compare(session.lm, r.prompt, r.answer, torch.stack(r.logits) if r.logits else None,
+                                 storage=session.manifest.storage)
         return Answer(
             question=self.text,
             answer=self.stream.text(),
