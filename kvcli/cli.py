@@ -410,7 +410,7 @@ def ask(
 def _ask_together(session, qs: list[str], opts, batch_size: int, begin, finish, write, check: bool) -> None:
     """Session.ask_many, rendered in question order: the first unfinished question's answer streams live,
     later ones are held until it completes (each JSON line, as before, when its answer is complete)."""
-    from .engine.batch import in_order
+    from .engine.questions import in_order
 
     text, answered = in_order(len(qs), lambda i: begin(qs[i]), lambda _i, a: finish(a), write)
     session.ask_many(qs, opts, batch_size=batch_size, on_text=text, on_answer=answered, check=check)

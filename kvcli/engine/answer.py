@@ -257,7 +257,8 @@ class Session:
         on_answer(i, answer) hands each answer over as soon as it is complete. batch_size=1 asks one by one.
         check=True measures every answer against a full recompute, as ask(check=True) does (Answer.check):
         the batched path's own logits, so a rounding difference of the batch would show there."""
-        from . import attention, batch
+        from . import attention
+        from .questions import answer_many
 
         opts = options or GenerationOptions()
         if batch_size <= 1 or len(questions) <= 1 or not attention.batchable(self.lm.model):
@@ -268,8 +269,8 @@ class Session:
                     on_answer(i, answers[-1])
             return answers
         start = self.clock()
-        return batch.answer_many(self, questions, opts, batch_size=batch_size, start=start, on_text=on_text,
-                                 on_answer=on_answer, check=check)
+        return answer_many(self, questions, opts, batch_size=batch_size, start=start, on_text=on_text,
+                           on_answer=on_answer, check=check)
 
 
 def prompt_room(lm: LoadedModel, prompt: Sequence[int], opts: GenerationOptions) -> int:

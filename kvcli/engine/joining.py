@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
-from . import batch
+from . import batch, questions
 
 POLL_S = 0.05  # how often a waiting asker checks whether it is still wanted
 
@@ -34,7 +34,7 @@ class Batcher:
         self.session, self.width = session, width
         self._turn = turn or nullcontext
         self._lock = threading.Lock()
-        self._incoming: list[tuple[batch.Question, queue.SimpleQueue, float]] = []
+        self._incoming: list[tuple[questions.Question, queue.SimpleQueue, float]] = []
         self._leaving: list[batch.Row] = []
         self._running = False
         self.asked = 0  # questions submitted
@@ -58,7 +58,7 @@ class Batcher:
         start = self.session.clock()
         events: queue.SimpleQueue = queue.SimpleQueue()
         pending = list(enumerate(questions))
-        mine: dict[int, batch.Question] = {}
+        mine: dict[int, questions.Question] = {}
         answers: list[Any] = [None] * len(questions)
         next_check = 0.0
         try:
@@ -92,8 +92,8 @@ class Batcher:
         return answers
 
     def _submit(self, index: int, text: str, options: Any, history: Sequence[Any], events: queue.SimpleQueue,
-                start: float) -> batch.Question:
-        q = batch.question(self.session, index, text, options, history=history,
+                start: float) -> questions.Question:
+        q = questions.question(self.session, index, text, options, history=history,
                            on_text=lambda t: events.put(("text", index, t)))
         with self._lock:
             self.asked += 1
@@ -105,7 +105,7 @@ class Batcher:
 
     def _run(self) -> None:
         """The decoding thread: take in new rows, let leaving ones go, step; ends when nothing is left."""
-        owners: dict[int, tuple[batch.Question, queue.SimpleQueue, float]] = {}  # id(row) -> its question
+        owners: dict[int, tuple[questions.Question, queue.SimpleQueue, float]] = {}  # id(row) -> its question
         try:
             self._loop(owners)
         except BaseException as exc:  # a bug here: every waiting asker hears of it, the next question starts afresh
@@ -116,7 +116,7 @@ class Batcher:
             for row, events in waiting:
                 events.put(("error", row.index, exc))
 
-    def _loop(self, owners: dict[int, tuple[batch.Question, queue.SimpleQueue, float]]) -> None:
+    def _loop(self, owners: dict[int, tuple[questions.Question, queue.SimpleQueue, float]]) -> None:
         model = self.session.lm.model
         decoder = batch.Decoder(model, self.session.states, width=self.width, eos=batch.eos_ids(model),
                                 pad_id=batch.padding_id(self.session.lm.tokenizer, model))

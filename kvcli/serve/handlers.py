@@ -123,7 +123,7 @@ def _history(req: dict[str, Any], session: Any) -> list[tuple[str, str]]:
 def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     """Answer every question from every cache, as cli.ask does in-process; returns the exit code.
     The questions join the document's running batch with everyone else's (serve/warm.py)."""
-    from ..engine.batch import in_order
+    from ..engine.questions import in_order
 
     caches, questions = _strings(req, "caches"), _strings(req, "questions")
     opts = _options(req)
