@@ -62,7 +62,7 @@ def test_questions_arriving_together_decode_together(arch, name):
         assert got.answer_token_ids == s.answer_token_ids and got.answer == s.answer, (name, s.question)
         assert got.finish_reason == s.finish_reason and got.processed_tokens == s.processed_tokens
     assert batcher.peak_rows == len(QUESTIONS)  # all five decoded in one step
-    _wait(lambda: not batcher._running)  # the decoding thread ends when nothing is left
+    _wait(lambda: not batcher.running)  # the decoding thread ends when nothing is left
 
 
 def test_a_question_joins_while_another_decodes(arch):
@@ -137,7 +137,7 @@ def test_an_asker_that_leaves_takes_its_rows_out(arch):
     with pytest.raises(Left):
         batcher.ask_many([QUESTIONS[0]], kvcli.GenerationOptions(max_new_tokens=500), on_text=lambda i, t: seen.append(t),
                          cancelled=lambda: bool(seen))
-    _wait(lambda: not batcher._running)  # its row left: nothing more to decode
+    _wait(lambda: not batcher.running)  # its row left: nothing more to decode
     assert batcher.steps < 500
     again = batcher.ask_many([QUESTIONS[1]], OPTS)[0]
     assert again.answer_token_ids == session.ask(QUESTIONS[1], OPTS).answer_token_ids
@@ -153,7 +153,7 @@ def test_a_callback_that_raises_leaves_too(arch):
 
     with pytest.raises(BrokenPipeError):
         batcher.ask_many([QUESTIONS[0]], kvcli.GenerationOptions(max_new_tokens=500), on_text=broken)
-    _wait(lambda: not batcher._running)
+    _wait(lambda: not batcher.running)
     assert batcher.steps < 500
 
 
@@ -192,4 +192,4 @@ def test_a_question_too_long_fails_in_the_asker(arch):
     batcher = Batcher(session, width=4)
     with pytest.raises(GenerationError, match="question too long"):
         batcher.ask_many(["word " * 5000], OPTS)
-    assert not batcher._running
+    assert not batcher.running

@@ -41,6 +41,11 @@ class Batcher:
         self.steps = 0  # forward passes run
         self.peak_rows = 0  # most rows decoding in one step
 
+    @property
+    def running(self) -> bool:
+        """Whether the decoding thread is alive (it ends when no question is left)."""
+        return self._running
+
     def ask(self, question: str, options: Any, on_text: Callable[[str], None] | None = None, *, history: Sequence[Any] = (),
             cancelled: Callable[[], bool] | None = None) -> Any:
         """One question in the running batch (see ask_many); on_text(text) as it settles."""

@@ -24,54 +24,19 @@ import json
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .turns import FairLock
+
 Note = Callable[[str], None]
 
 
 class Cancelled(Exception):
     """The client that asked went away: its generation stops here."""
-
-
-class FairLock:
-    """A lock handed to waiters in arrival order (threading.Lock promises no order)."""
-
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._queue: deque[threading.Event] = deque()
-        self._held = False
-
-    def acquire(self) -> None:
-        with self._mutex:
-            if not self._held:
-                self._held = True
-                return
-            turn = threading.Event()
-            self._queue.append(turn)
-        turn.wait()  # release() hands the lock over directly: it stays held
-
-    def release(self) -> None:
-        with self._mutex:
-            if self._queue:
-                self._queue.popleft().set()
-            else:
-                self._held = False
-
-    @property
-    def waiting(self) -> int:
-        return len(self._queue)
-
-    def __enter__(self) -> "FairLock":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 @dataclass
@@ -132,7 +97,7 @@ class Lease:
             if on_answer:
                 on_answer(i, a)
 
-        if batcher is not None and (batch_size or 2) > 1:
+        if batcher is not None and (batch_size is None or batch_size > 1):
             try:
                 return batcher.ask_many(questions, opts, history=history, batch_size=batch_size, on_text=on_text,
                                         on_answer=answered, cancelled=cancelled)
