@@ -168,7 +168,10 @@ def outcomes(world, tmp_path_factory):
     for sc in scenarios:
         kind, point = sc
         stop_at = point if point and point != "delay" else None
-        limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))) if kind == "file-size-limit" else None
+        if kind == "file-size-limit":
+            limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))  # noqa: E731
+        else:  # Ctrl-C as on a terminal, even when the test run itself was started in the background (SIGINT ignored)
+            limit = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
         procs[sc] = subprocess.Popen(prefill_cmd(w, targets[sc], stop_at), env=env_with(), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, preexec_fn=limit)
     started = time.monotonic()
