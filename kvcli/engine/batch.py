@@ -146,8 +146,8 @@ class Row:
 class Decoder:
     """The batch, one step at a time: rows join between steps, leave when finished (or dropped).
 
-    Holds at most `width` rows in a SharedPrefixCache over the document's `states`; the suffix buffers
-    exist only while rows do. step() runs one forward pass: the joining rows' own tokens if any wait
+    Holds at most `width` rows in a SharedPrefixCache over the document's `states` (the suffix buffers
+    go with the Decoder: the engine drops a Decoder once its document has no asker left). step() runs one forward pass: the joining rows' own tokens if any wait
     (they share one padded pass), else one new token for every active row.
     """
 
@@ -178,11 +178,6 @@ class Decoder:
         elif row in self.active:
             self.active.remove(row)
             self.free.append(row.slot)
-        self._release_if_idle()
-
-    def _release_if_idle(self) -> None:
-        if not self.busy:
-            self.cache = None  # the suffix buffers; the document's states are never the Decoder's
 
     def _forward(self, batch: list[Row], ids: torch.Tensor, uniform: int | None, last: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [rows, q, vocab] of ids [rows, q] at each row's slots; [rows, 1, vocab] at positions `last` [rows, 1]."""
@@ -204,19 +199,6 @@ class Decoder:
         if last is not None and not extra:
             return out.logits.gather(1, last[..., None].expand(-1, -1, out.logits.shape[-1]))
         return out.logits  # [active, q or 1, vocab]
-
-    def _take(self, row: Row, logits: torch.Tensor) -> None:
-        if row.logits is not None:
-            row.logits.append(logits.clone())  # before any processor: what check.compare measures
-        token = row.choose(row.prompt + row.answer, logits)
-        if row.first_token_at is None:
-            row.first_token_at = time.perf_counter()
-        row.answer.append(token)
-        stopped = row.on_token(token)
-        if stopped or token in self.eos:
-            row.finish_reason = "stop"
-        elif len(row.answer) >= row.max_new:
-            row.finish_reason = "length"
 
     def step(self) -> list[Row]:
         """One forward pass; returns the rows it finished (their slots are free again)."""
@@ -242,35 +224,35 @@ class Decoder:
                 for i, r in enumerate(joining):
                     r.offset = len(r.appended)
                     r.processed += len(r.appended)
-                    self._take(r, logits[i, 0].float())
+                    take(r, logits[i, 0].float(), self.eos)
             elif self.active:
                 ids = torch.tensor([[r.answer[-1]] for r in self.active], device=self.device)
                 logits = self._forward(self.active, ids, None)
                 for i, r in enumerate(self.active):
                     r.offset += 1
                     r.processed += 1
-                    self._take(r, logits[i, 0].float())
+                    take(r, logits[i, 0].float(), self.eos)
         finished = [r for r in self.active if r.finish_reason]
         for r in finished:
             r.finished_at = time.perf_counter()
             self.active.remove(r)
             self.free.append(r.slot)
-        self._release_if_idle()
         return finished
 
 
-def decode_rows(model: Any, states: Sequence[Any], rows: list[Row], *, batch_size: int, eos: set[int],
-                pad_id: int, done: Callable[[Row], None] | None = None) -> None:
-    """Run every row to its end, at most batch_size at once; rows fill in place (answer, timings)."""
-    if not rows:
-        return
-    decoder = Decoder(model, states, width=min(batch_size, len(rows)), eos=eos, pad_id=pad_id)
-    for row in rows:
-        decoder.add(row)
-    while decoder.busy:
-        for row in decoder.step():
-            if done:
-                done(row)
+def take(row: Row, logits: torch.Tensor, eos: set[int]) -> None:
+    """Choose the row's next id from its logits [vocab] and say whether that ended its answer."""
+    if row.logits is not None:
+        row.logits.append(logits.clone())  # before any processor: what check.compare measures
+    token = row.choose(row.prompt + row.answer, logits)
+    if row.first_token_at is None:
+        row.first_token_at = time.perf_counter()
+    row.answer.append(token)
+    stopped = row.on_token(token)
+    if stopped or token in eos:
+        row.finish_reason = "stop"
+    elif len(row.answer) >= row.max_new:
+        row.finish_reason = "length"
 
 
 def padding_id(tokenizer: Any, model: Any) -> int:

@@ -61,12 +61,16 @@ def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: Progr
     Full-attention layers get buffers for the whole document up front and each chunk's keys/values are
     written in place (no concatenation copying the growing cache at every chunk); with kvcli's attention
     (engine/attention.py) CPU attention reads grouped key/value heads directly. The chunked prefill then
-    costs about what one forward pass over the whole document does, with far less memory.
+    costs about what one forward pass over the whole document does, with far less memory. Each chunk
+    takes the model's turn from its engine (engine/scheduler.py): answers running on the same model
+    step between two chunks, never wait for the whole document.
     """
     import torch
 
     from .kvcache import KVCache
+    from .scheduler import engine_for
 
+    engine = engine_for(lm)
     total = len(ids)
     cache = KVCache.for_model(lm.model.config, reserve=total)
     if progress:
@@ -74,7 +78,8 @@ def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: Progr
     with torch.inference_mode():
         for start in range(0, total, chunk_size):
             chunk = torch.tensor([ids[start : start + chunk_size]], device=lm.device)  # [1, chunk]
-            lm.model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
+            with engine.turn():
+                lm.model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
             if progress:
                 progress(min(start + chunk_size, total), total)
     return cache

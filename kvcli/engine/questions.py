@@ -1,9 +1,9 @@
-"""Questions on one document -> batch rows -> answers: what Session.ask_many and the servers' batches ask.
+"""Questions on one document -> decoding rows -> answers: what the engine (engine/scheduler.py) runs.
 
 Each question becomes a Row of engine/batch.py (its appended ids, its room, its own chooser: the logits
-processors and seeded sampler generate() would apply), with a text stream that settles its answer as
-tokens come; a finished row becomes an Answer. `in_order` renders answers finishing in any order as if
-asked one by one.
+processors and seeded sampler generate() would apply), with a text stream (engine/detok.py) that settles
+its answer as tokens come; a finished row becomes an Answer. `in_order` renders answers finishing in any
+order as if asked one by one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from .batch import Row, decode_rows, eos_ids, padding_id
+from .batch import Row
+from .detok import TextStream
 
 
 def greedy(_ids: list[int], logits: torch.Tensor) -> int:
@@ -62,26 +63,29 @@ class Question:
 
     text: str
     row: Row
-    stream: Any  # answer._Stream
+    stream: TextStream
     history: Sequence[Any] = ()
 
-    def answer(self, session: Any, start: float) -> Any:
-        """The finished row as an Answer (timings counted from `start`); with check, measured against a recompute."""
-        from .answer import Answer
+    def answer(self, session: Any, start: float, turn: Callable[[], Any] | None = None) -> Any:
+        """The finished row as an Answer (timings counted from `start`); with check, measured against a
+        recompute, run under `turn` (the model's: engine/scheduler.py) when given."""
+        from contextlib import nullcontext
+
+        from .request import Answer
 
         r = self.row
-        self.stream.end()
         cached = len(session.token_ids)
         finished = r.finished_at - start  # the answer's own time: the check's recompute is not in it
         checked = None
         if r.logits is not None:
             from . import check as ck
 
-            checked = ck.compare(session.lm, r.prompt, r.answer, torch.stack(r.logits) if r.logits else None,
-                                 storage=session.manifest.storage)
+            with (turn or nullcontext)():
+                checked = ck.compare(session.lm, r.prompt, r.answer, torch.stack(r.logits) if r.logits else None,
+                                     storage=session.manifest.storage)
         return Answer(
             question=self.text,
-            answer=self.stream.text(),
+            answer=self.stream.text,
             prompt_token_ids=r.prompt,
             answer_token_ids=r.answer,
             cached_tokens=cached,
@@ -100,43 +104,25 @@ def question(session: Any, index: int, text: str, options: Any, *, history: Sequ
              on_text: Callable[[str], None] | None = None, check: bool = False) -> Question:
     """The row for one question on the session's document (raises GenerationError if its prompt does not fit);
     check: keep its raw logits, so its Answer is measured against a full recompute (engine/check.py)."""
-    from .answer import _Stream, prompt_room
+    from .request import prompt_room
 
     lm = session.lm
     prompt = session.prompt_ids(text, history)
-    stream = _Stream(lm.tokenizer, options.stop, on_text)
-    stream.prompt_seen = True  # tokens are handed over one by one, never the prompt
+    stream = TextStream(lm.tokenizer, options.stop, on_text)
+    eos = session.eos
 
     def on_token(token: int) -> bool:
-        stream.put(torch.tensor([token]))
-        return stream.stopped
+        if token in eos:  # the end of turn is not text: the answer is complete
+            stream.end()
+            return False
+        stopped = stream.put(token)
+        if not stopped and len(stream.ids) >= row.max_new:
+            stream.end()
+        return stopped
 
     row = Row(index=index, prompt=prompt, appended=prompt[len(session.token_ids):], max_new=prompt_room(lm, prompt, options),
               choose=chooser(lm, options), on_token=on_token, logits=[] if check else None)
     return Question(text, row, stream, tuple(history))
-
-
-def answer_many(session: Any, questions: Sequence[str], options: Any, *, batch_size: int, start: float,
-                on_text: Callable[[int, str], None] | None = None,
-                on_answer: Callable[[int, Any], None] | None = None, check: bool = False) -> list[Any]:
-    """Answer every question from the session's document, at most batch_size decoding together.
-
-    Answers come back in question order; on_text(i, text) gets question i's settled text as it comes,
-    on_answer(i, answer) each answer as soon as it is complete (in the order they finish).
-    """
-    model = session.lm.model
-    asked = [question(session, i, q, options, on_text=(lambda text, i=i: on_text(i, text)) if on_text else None, check=check)
-             for i, q in enumerate(questions)]
-    answers: list[Any] = [None] * len(questions)
-
-    def done(r: Row) -> None:
-        answers[r.index] = a = asked[r.index].answer(session, start)
-        if on_answer:
-            on_answer(r.index, a)
-
-    decode_rows(model, session.states, [a.row for a in asked], batch_size=batch_size, eos=eos_ids(model),
-                pad_id=padding_id(session.lm.tokenizer, model), done=done)
-    return answers
 
 
 def in_order(count: int, begin: Callable[[int], None], finish: Callable[[int, Any], None],

@@ -1,0 +1,60 @@
+"""What a question asks for and what it gets back: generation options, the answer, the room it has."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import GenerationError
+from .check import Check
+
+DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_BATCH = 8  # rows one document decodes together (README, "Many questions at once")
+
+
+@dataclass
+class Answer:
+    question: str
+    answer: str
+    prompt_token_ids: list[int]  # every id the model saw before answering: cached + appended
+    answer_token_ids: list[int]
+    cached_tokens: int
+    new_tokens: int  # appended ids computed for this question
+    processed_tokens: int  # ids the model actually ran forward for this question (appended + answer - 1)
+    ttft_s: float | None
+    total_s: float
+    finish_reason: str  # "stop" (end of turn or stop string) or "length"
+    cache: str = ""
+    check: Check | None = None  # with ask(check=True): this answer measured against a full recompute
+    history: list[dict[str, str]] = field(default_factory=list)  # earlier {question, answer} turns, oldest first
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON of the answer; `check` appears only when measured, `history` only for a follow-up (so one
+        line can be fed back)."""
+        body = asdict(self)
+        if self.check is None:
+            del body["check"]
+        if not body["history"]:
+            del body["history"]
+        return body
+
+
+@dataclass
+class GenerationOptions:
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+    # generate()'s own anti-repetition settings; like generate() they see every prompt id (document included).
+    repetition_penalty: float = 1.0  # 1.0: off; >1 makes tokens already seen less likely
+    no_repeat_ngram_size: int = 0  # 0: off; n>0 never repeats an n-gram of the prompt or answer
+
+
+def prompt_room(lm: Any, prompt: Sequence[int], opts: GenerationOptions) -> int:
+    """How many answer tokens this prompt may have: --max-new-tokens within the model's positions."""
+    limit = lm.max_positions
+    if limit and len(prompt) >= limit:
+        raise GenerationError(f"question too long: the prompt needs {len(prompt)} of the model's {limit} positions")
+    return min(opts.max_new_tokens, limit - len(prompt)) if limit else opts.max_new_tokens
