@@ -254,3 +254,25 @@ def test_closing_the_engine_ends_every_asker(arch):
     assert not engine.busy
     with pytest.raises(Stopped):
         engine.ask(session, [QUESTIONS[0]], OPTS)
+
+
+def test_turns_are_granted_in_arrival_order(arch):
+    a = arch("llama")
+    engine = Engine(a.lm, width=4)
+    order: list[int] = []
+    first = engine.turn()
+    first.__enter__()
+
+    def waiter(n):
+        with engine.turn():
+            order.append(n)
+
+    threads = []
+    for n in range(5):
+        threads.append(threading.Thread(target=waiter, args=(n,)))
+        threads[-1].start()
+        _wait(lambda: len(engine._turns) == n + 1, timeout=10)  # each is queued before the next starts
+    first.__exit__(None, None, None)
+    for t in threads:
+        t.join(timeout=10)
+    assert order == [0, 1, 2, 3, 4]

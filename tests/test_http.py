@@ -208,51 +208,32 @@ def test_only_loopback_without_a_key():
         http.parse_address("8080")
 
 
-class _HeldLock:
-    """A model lock the test holds; `entered` tells that a request is waiting for it (it holds its turn)."""
-
-    def __init__(self):
-        self.inner, self.entered = threading.Lock(), threading.Event()
-
-    def __enter__(self):
-        self.entered.set()
-        self.inner.acquire()
-
-    def __exit__(self, *exc):
-        self.inner.release()
-
-
-class _HeldProvider:
-    """Wraps a provider with a lock the test holds, to keep one request running."""
-
-    def __init__(self, inner):
-        self.inner, self.lock = inner, _HeldLock()
-
-    def models(self):
-        return self.inner.models()
-
-    def open(self, model_id):
-        opened = self.inner.open(model_id)
-        return opened and Opened(session=opened.session, lock=self.lock)
-
-
 def test_busy_is_503_and_the_first_request_still_finishes(docs):
-    provider = _HeldProvider(DocsProvider([docs[0]]))
+    from kvcli.engine.scheduler import engine_for
+
+    provider = DocsProvider([docs[0]], batch_size=1)  # one answer decoding per model, none waiting (max_queue=0)
     srv = http.start("127.0.0.1", 0, provider=provider, max_queue=0)
     c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
     body = dict(model="licence.kv", messages=[{"role": "user", "content": Q1}], max_tokens=MAX)
+    c.chat.completions.create(**{**body, "max_tokens": 1})  # restores it (and loads its model)
+    engine = engine_for(provider.open("licence.kv").session.lm)
     results = []
-    provider.lock.inner.acquire()
+    held = engine.turn()
+    held.__enter__()  # no step runs: the first request stays in the engine
     try:
+        asked = engine.asked
         first = threading.Thread(target=lambda: results.append(c.chat.completions.create(**body)))
         first.start()
-        assert provider.lock.entered.wait(30), "the first request never took its turn"
-        with pytest.raises(openai.InternalServerError) as err:  # its turn is taken and no one may wait (max_queue=0)
+        deadline = time.monotonic() + 30
+        while engine.asked == asked:
+            assert time.monotonic() < deadline, "the first request never reached the engine"
+            time.sleep(0.01)
+        with pytest.raises(openai.InternalServerError) as err:  # its row is the model's one and no one may wait
             c.chat.completions.create(**{**body, "max_tokens": 1})
         assert err.value.status_code == 503 and err.value.body["code"] == "busy"
         assert err.value.response.headers["retry-after"] == "1"
     finally:
-        provider.lock.inner.release()
+        held.__exit__(None, None, None)
     first.join(60)
     srv.stop()
     assert results and results[0].choices[0].message.content == _alone(docs, "licence.kv", Q1).answer
@@ -271,8 +252,10 @@ def test_client_gone_mid_stream_stops_its_generation(server, client, docs):
             if n == 3:
                 break
         stream.close()
+        from kvcli.engine.scheduler import engine_for
+
         deadline = time.monotonic() + 30
-        while provider.open("licence.kv").lock.locked() and time.monotonic() < deadline:
+        while engine_for(session.lm).busy and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(counter.calls) < 400, len(counter.calls)  # stopped long before 2000 tokens
     finally:
@@ -298,14 +281,21 @@ def test_provider_reopens_a_replaced_cache_and_bounds_open_sessions(docs, tmp_pa
     work.mkdir()
     for name in ("licence.kv", "brief.kv"):
         shutil.copytree(folder / name, work / name)
-    provider = DocsProvider([work], max_sessions=1)
-    first = provider.open("licence.kv").session
-    assert provider.open("licence.kv").session is first
+    provider = DocsProvider([work], max_memory=1)  # nothing stays once given back: the LRU is bounded by memory
+    held = provider.open("licence.kv")
+    first = held.session
+    second = provider.open("licence.kv")
+    assert second.session is first  # while in use, one restore serves every request
+    second.release()
+    held.release()
     kvcli.prefill(lm, decode(sample_text()[6000:7000].encode(), "new.txt"), work / "licence.kv", force=True)
-    again = provider.open("licence.kv").session
-    assert again is not first and again.token_ids == kvcli.read_manifest(work / "licence.kv").token_ids != first.token_ids
-    provider.open("brief.kv")
-    assert list(provider._sessions) == [str(work / "brief.kv")]  # the least recently used went
+    again = provider.open("licence.kv")
+    assert again.session is not first
+    assert again.session.token_ids == kvcli.read_manifest(work / "licence.kv").token_ids != first.token_ids
+    again.release()
+    brief = provider.open("brief.kv")
+    assert [c["path"] for c in provider.warm.status()["caches"]] == [str(work / "brief.kv")]  # the rest went
+    brief.release()
     assert provider.open("missing.kv") is None and provider.open("../docs") is None
 
 
@@ -327,7 +317,11 @@ class _CountingProvider:
         def release():
             self.back += 1
 
-        return Opened(session=opened.session, lock=opened.lock, release=release)
+        def both():
+            opened.release()
+            release()
+
+        return Opened(session=opened.session, release=both, asker=opened.asker, concurrency=opened.concurrency)
 
 
 def test_every_session_lent_is_given_back_once(docs):

@@ -100,9 +100,11 @@ def test_concurrent_http_clients_decode_together(world, here):
 
 
 def _model_turn(warm):
-    """The FIFO turn of the one model the warm server holds (what every batch step takes)."""
-    (key,) = [k for k, e in warm._entries.items() if e.kind == "model"]
-    return warm._entries[key].lock
+    """A turn of the one model the warm server holds: its engine runs no step while the test holds it."""
+    from kvcli.engine.scheduler import engine_for
+
+    (lm,) = [e.obj for e in warm._entries.values() if e.kind == "model"]
+    return engine_for(lm).turn()
 
 
 def test_chat_goes_through_the_server(world, here):

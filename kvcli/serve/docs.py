@@ -1,21 +1,21 @@
 """The caches the HTTP server offers as models, and the open Sessions that answer them.
 
-`Provider` is what the HTTP app needs: list the caches, and open one by id as a Session plus the lock
-that serializes generation on its model (Session.ask is not assumed thread-safe; the model, its seed
-and its counters are shared). `DocsProvider` is the standalone one: caches found under folders the way
-`kvcli ls` finds them, models loaded once each, a few Sessions kept open (least recently used goes first),
-and a cache replaced on disk since it was opened is opened again, never answered from the old copy.
+`Provider` is what the HTTP app needs: list the caches, and open one by id as a Session lent to one
+request. `WarmProvider` lends them from a warm server's Warm (serve/warm.py), the one LRU, staleness
+rule and memory account every front end shares; `DocsProvider` is the standalone one (`http.start`
+without a socket server): a WarmProvider over a Warm of its own. Every question runs through its
+model's engine (engine/scheduler.py), whichever front end asks.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from .warm import Cancelled  # noqa: F401  (what Opened.ask raises once the asker has left)
 
 
 def _nothing() -> None:
@@ -24,27 +24,24 @@ def _nothing() -> None:
 
 @dataclass
 class Opened:
-    """A Session lent to one request: ask() takes the model's turn; release() gives the session back."""
+    """A Session lent to one request: ask() joins its model's engine; release() gives the session back."""
 
     session: Any  # kvcli.engine.answer.Session
-    lock: Any  # a lock (context manager) held while generating on the session's model
     release: Callable[[], None] = _nothing  # called once when the request is done with the session
-    asker: Callable[..., Any] | None = None  # a provider's own turn-taking ask (e.g. a warm Lease's)
-    concurrency: int = 1  # requests that may ask at once (a warm Lease decodes that many together)
+    asker: Callable[..., Any] | None = None  # a provider's own ask (a warm Lease's: it counts answers served)
+    concurrency: int = 1  # requests that decode together on this document
 
     def ask(self, question: str, options: Any, on_text: Any = None, *, history: Sequence[tuple[str, str]] = (),
             cancelled: Callable[[], bool] = lambda: False):
-        """Session.ask under the model's turn; `Cancelled` if the asker left before its turn came."""
+        """One answer; `Cancelled` once cancelled() says the asker left (its row leaves at the next step)."""
         if self.asker is not None:
             return self.asker(question, options, on_text, history=history, cancelled=cancelled)
-        with self.lock:
-            if cancelled():
-                raise Cancelled()
-            return self.session.ask(question, options, on_text, history=history)
+        from ..engine.scheduler import Left
 
-
-class Cancelled(Exception):
-    """The request went away before its turn: nothing was generated."""
+        try:
+            return self.session.ask(question, options, on_text, history=history, cancelled=cancelled)
+        except Left:
+            raise Cancelled() from None
 
 
 class Provider(Protocol):
@@ -88,85 +85,15 @@ def resolve(folders: Sequence[Path], model_id: str) -> Path | None:
     return None
 
 
-def _identity(path: Path) -> tuple:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
-
-
-class DocsProvider:
-    """Caches under `folders`, answered by models loaded through a ModelPool; at most `max_sessions` kept open.
-    Concurrent questions on one cache decode together, up to `batch_size` (engine/joining.py)."""
-
-    def __init__(self, folders: Sequence[str | os.PathLike], *, pool: Any = None, model: str | None = None,
-                 device: str = "auto", dtype: str | None = None, max_sessions: int = 4, batch_size: int = 8):
-        self.folders = [Path(f) for f in folders]
-        self._pool, self._pool_args = pool, dict(model=model, device=device, dtype=dtype)
-        self.max_sessions, self.batch_size = max_sessions, batch_size
-        self._sessions: OrderedDict[str, tuple[tuple, Any, Any]] = OrderedDict()  # path -> (stamp, session, batcher)
-        self._locks: dict[int, threading.Lock] = {}
-        self._loading = threading.Lock()  # one load at a time: two requests for a new cache load it once
-
-    def models(self) -> list[tuple[str, dict[str, Any]]]:
-        return catalog_ids(self.folders)
-
-    def open(self, model_id: str) -> Opened | None:
-        from ..format import store
-
-        path = resolve(self.folders, model_id)
-        if path is None:
-            return None
-        with self._loading:
-            manifest = store.read_manifest(path)  # CacheError (exit 3's message) if it is broken now
-            stamp = (_identity(path), manifest.to_json()["manifest_sha256"])
-            held = self._sessions.get(str(path))
-            if held is None or held[0] != stamp:
-                session = self._new_session(path)
-                lock = self._locks.setdefault(id(session.lm), threading.Lock())
-                self._sessions[str(path)] = (stamp, session, self._batcher(session, lock))
-                while len(self._sessions) > self.max_sessions:
-                    self._sessions.popitem(last=False)
-            self._sessions.move_to_end(str(path))
-            _stamp, session, batcher = self._sessions[str(path)]
-            lock = self._locks[id(session.lm)]
-        if batcher is None:
-            return Opened(session=session, lock=lock)
-        return Opened(session=session, lock=lock, asker=_batched(batcher), concurrency=batcher.width)
-
-    def _batcher(self, session: Any, lock: threading.Lock) -> Any:
-        from ..engine import attention
-        from ..engine.joining import Batcher
-
-        if self.batch_size <= 1 or not attention.batchable(session.lm.model):
-            return None
-        return Batcher(session, width=self.batch_size, turn=lambda: lock)
-
-    def _new_session(self, path: Path):
-        from ..engine import answer
-
-        if self._pool is None:
-            self._pool = answer.ModelPool(**self._pool_args)
-        return answer.Session(self._pool.for_cache(path), path)
-
-
-def _batched(batcher: Any) -> Callable[..., Any]:
-    """Opened.ask through a Batcher: Left (the asker went away) becomes Cancelled."""
-    from ..engine.joining import Left
-
-    def ask(question: str, options: Any, on_text: Any = None, *, history=(), cancelled=lambda: False):
-        try:
-            return batcher.ask(question, options, on_text, history=history, cancelled=cancelled)
-        except Left:
-            raise Cancelled() from None
-
-    return ask
-
-
 class WarmProvider:
     """Caches under `folders`, answered from a warm server's LRU (serve/warm.py: `warm.session(path)`
-    lends a Lease with the model's FIFO turn), shared with the unix-socket clients."""
+    lends a Lease), shared with the unix-socket clients. model/device/dtype: how sessions are opened
+    (default: the model each cache records)."""
 
-    def __init__(self, warm: Any, folders: Sequence[str | os.PathLike], *, on_use: Callable[[], None] = _nothing):
+    def __init__(self, warm: Any, folders: Sequence[str | os.PathLike], *, on_use: Callable[[], None] = _nothing,
+                 model: str | None = None, device: str = "auto", dtype: str | None = None):
         self.warm, self.folders, self.on_use = warm, [Path(f) for f in folders], on_use  # on_use: activity (idle timeout)
+        self._open_args = dict(model=model, device=device, dtype=dtype)
 
     def models(self) -> list[tuple[str, dict[str, Any]]]:
         return catalog_ids(self.folders)
@@ -176,11 +103,21 @@ class WarmProvider:
         if path is None:
             return None
         self.on_use()
-        held = self.warm.session(path)
+        held = self.warm.session(path, **self._open_args)
         lease = held.__enter__()  # CacheError here: nothing is held
 
         def release() -> None:
             held.__exit__(None, None, None)
             self.on_use()
 
-        return Opened(session=lease.session, lock=lease.lock, release=release, asker=lease.ask, concurrency=lease.concurrency)
+        return Opened(session=lease.session, release=release, asker=lease.ask, concurrency=lease.concurrency)
+
+
+class DocsProvider(WarmProvider):
+    """Caches under `folders` for a standalone HTTP server: a WarmProvider over its own Warm."""
+
+    def __init__(self, folders: Sequence[str | os.PathLike], *, model: str | None = None, device: str = "auto",
+                 dtype: str | None = None, max_memory: int | None = None, batch_size: int | None = None):
+        from .warm import Warm
+
+        super().__init__(Warm(max_memory, batch_size=batch_size), folders, model=model, device=device, dtype=dtype)

@@ -200,11 +200,10 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
             for index, document, target in ready:
                 if conn.cancelled():
                     raise Gone()
-                try:
-                    with model.lock:
-                        r = pf.prefill(model.lm, document, target, system=req.get("system"), framing=req.get("framing") or "auto",
-                                       chunk_size=req.get("chunk_size") or pf.DEFAULT_CHUNK, force=bool(req.get("force")),
-                                       kv_bits=kv_bits)
+                try:  # its chunks take turns with the answers running on this model (engine/scheduler.py)
+                    r = pf.prefill(model.lm, document, target, system=req.get("system"), framing=req.get("framing") or "auto",
+                                   chunk_size=req.get("chunk_size") or pf.DEFAULT_CHUNK, force=bool(req.get("force")),
+                                   kv_bits=kv_bits)
                 except KvcliError as exc:
                     report(exc)
                     continue

@@ -2,10 +2,9 @@
 
 GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions (streamed as server-sent events in
 OpenAI's chunk format, ending with `data: [DONE]`). Errors are OpenAI error objects, never a traceback.
-Generation runs in worker threads in arrival order: on a warm server up to its batch size of answers
-per model at once (decoded together, serve/warm.py), else one at a time; at most `max_queue` requests
-wait per model, more get 503. A client that disconnects mid-answer stops its
-generation at the next token. Binding anything but loopback requires an API key (Bearer token).
+Each request's answer joins its model's engine (engine/scheduler.py), decoded together with every
+other request on that document up to the batch width; at most `max_queue` more requests wait per
+model, more get 503. A client that disconnects, streaming or not, takes its row out at the next step. Binding anything but loopback requires an API key (Bearer token).
 Needs the `serve` extra (starlette, sse-starlette, uvicorn), imported only when a server is built.
 """
 
@@ -25,9 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from ..errors import CacheError, ConversationError, KvcliError, UsageError
 from . import openai_api as oa
 from .docs import DocsProvider, Opened, Provider
+from .warm import Cancelled
 
 log = logging.getLogger("kvcli.serve.http")
 DEFAULT_MAX_QUEUE = 32  # requests waiting per model before 503
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
 
 def is_loopback(host: str) -> bool:
@@ -54,12 +55,12 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 class _Gate:
-    """FIFO turn-taking for one model: at most `slots` requests run at once (the batch a warm server decodes
-    together; 1 where generation is one at a time), `held` counts those running or waiting."""
+    """Admission for one model: at most `slots` requests decoding (the batch width) plus `limit` waiting in
+    the engine; `held` counts both. Each admitted request waits for its answer in a thread of its own."""
 
     def __init__(self, limit: int, slots: int = 1):
-        self.lock, self.limit, self.slots, self.held = asyncio.Semaphore(slots), limit, slots, 0
-        self.pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="kvcli-answer")  # one thread per slot
+        self.limit, self.slots, self.held = limit, slots, 0
+        self.pool = ThreadPoolExecutor(max_workers=slots + limit, thread_name_prefix="kvcli-answer")
 
     def reserve(self) -> None:
         if self.held >= self.slots + self.limit:
@@ -68,20 +69,14 @@ class _Gate:
         self.held += 1
 
     async def start(self, work) -> asyncio.Future:
-        """Wait for the turn, then run `work` in a thread; the turn ends when the thread does."""
-        try:
-            await self.lock.acquire()
-        except BaseException:
-            self.held -= 1
-            raise
+        """Run `work` (it blocks on the engine's events) in a thread; the reservation ends when it does."""
         fut = asyncio.get_running_loop().run_in_executor(self.pool, work)
         fut.add_done_callback(self._release)
         return fut
 
     def _release(self, fut: asyncio.Future) -> None:
         if not fut.cancelled():
-            fut.exception()  # retrieved here: an abandoned answer's _Abandoned is expected, not "never retrieved"
-        self.lock.release()
+            fut.exception()  # retrieved here: an abandoned answer's Cancelled is expected, not "never retrieved"
         self.held -= 1
 
 
@@ -180,7 +175,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
             if limit and len(prompt) >= limit:
                 raise oa.ApiError(400, f"messages: the prompt needs {len(prompt)} of the model's {limit} positions",
                                   param="messages", code="context_length_exceeded")
-            gate = gates.setdefault(id(opened.lock), _Gate(max_queue, opened.concurrency))
+            gate = gates.setdefault(id(session.lm), _Gate(max_queue, opened.concurrency))
             gate.reserve()
         except BaseException:
             release()
@@ -204,7 +199,17 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
                 raise
 
         if not req.stream:
-            return JSONResponse(oa.completion(cid, req.model, await (await run(work))))
+            fut = await run(work)
+            try:
+                while not fut.done():  # a client that hangs up takes its row out at the next step
+                    await asyncio.wait({fut}, timeout=DISCONNECT_POLL_S)
+                    if not fut.done() and await request.is_disconnected():
+                        gone.set()
+                result = await fut
+            except Cancelled:
+                raise oa.ApiError(503, "the server stopped before the answer was complete", type="server_error",
+                                  code="stopped") from None
+            return JSONResponse(oa.completion(cid, req.model, result))
         started = [False]
 
         async def events():

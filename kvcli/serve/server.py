@@ -1,6 +1,7 @@
 """`kvcli serve`: a unix-socket server that keeps models and restored caches warm for many clients.
 
-One thread per connection (at most MAX_CLIENTS at once); generation takes turns per model (warm.py).
+One thread per connection (at most MAX_CLIENTS at once); every question and prefill chunk runs through
+its model's engine (engine/scheduler.py), shared with the HTTP front end through one Warm (warm.py).
 The socket is private to its owner (0600, in a 0700 folder when kvcli makes the folder). A flock on
 SOCKET.lock makes a second server on the same path refuse to start; a socket left by a dead server is
 replaced. SIGTERM or SIGINT: stop accepting, let in-flight requests finish (up to GRACE_S, then cancel
@@ -167,7 +168,13 @@ class Server:
         if not self.idle_timeout:
             return False
         with self._mutex:
-            return not self._active and time.monotonic() - self._last_activity > self.idle_timeout
+            if self._active:
+                return False
+            quiet = time.monotonic() - self._last_activity > self.idle_timeout
+        if quiet and self.warm.busy:  # an answer in flight on another front end (HTTP) is activity too
+            self.touch()
+            return False
+        return quiet
 
     def _shutdown(self) -> None:
         if self._listener is not None:
@@ -181,6 +188,7 @@ class Server:
                     break
             time.sleep(0.05)
         self._hard.set()  # whatever still runs stops at its next token, with an error to its client
+        self.warm.close()  # every engine stops: no row of any front end keeps computing after this
         for t in list(self._active):
             t.join(timeout=5.0)
         self._release_lock()

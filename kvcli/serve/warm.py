@@ -5,17 +5,17 @@ Used by the unix-socket server (server.py) and meant for any other front end (an
     warm = Warm(max_memory=8 << 30)
     with warm.session("doc.kv") as lease:              # loads the model and restores the cache once
         answer = lease.ask("Who signed it?", GenerationOptions(max_new_tokens=64))
-    with warm.model() as held:                          # the model alone (prefill)
-        with held.lock: ...
+    with warm.model() as held:                          # the model alone (prefill: chunks take the engine's turn)
+        prefill(held.lm, ...)
     warm.status()                                       # what `kvcli ps` shows
 
-Questions on one document decode together (engine/joining.py): each warm Session has a Batcher whose
-rows join between steps, at most `batch_size` at once, waiting rows taking free ones in arrival order.
-The model's FIFO lock (`lease.lock`) is taken per step, so documents sharing a model take turns step by
-step, and a prefill (or a question on a model kvcli cannot batch, answered whole) waits its turn in
-arrival order: a client asking many questions cannot starve another. A cache directory replaced
-since it was restored (directory or manifest identity changed) is restored again, never answered
-from the old copy. Entries in use are never evicted; the rest go least recently used first.
+Every question on a model runs through that model's one engine (engine/scheduler.py): rows of one
+document decode together, at most `batch_size` at once, joining between steps; documents sharing a
+model are stepped in turn, and a prefill's chunks take turns with those steps. A cache directory
+replaced since it was restored (directory or manifest identity changed) is restored again, never
+answered from the old copy. Entries in use are never evicted; the rest go least recently used first.
+Any number of front ends (the unix socket, HTTP) share one Warm: one LRU, one staleness rule, one
+memory account.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from .turns import FairLock
 
 Note = Callable[[str], None]
 
@@ -48,23 +46,18 @@ class _Entry:
     info: dict[str, Any]
     identity: tuple = ()  # caches: what says the directory is still the one restored
     model_key: str = ""  # caches: the model entry they were restored against
-    lock: FairLock = field(default_factory=FairLock)  # models: the generation turn
     users: int = 0
     served: int = 0
-    batcher: Any = None  # caches: the document's running batch (engine/joining.Batcher), if batching
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
 
 
 class Lease:
-    """A warm Session lent to one request. Its questions join the document's running batch (engine/joining.py),
-    which takes the model's FIFO turn step by step; without one (batch size 1, or a model kvcli cannot batch)
-    each question takes the turn whole."""
+    """A warm Session lent to one request; its questions join the model's engine with everyone else's."""
 
     def __init__(self, warm: "Warm", entry: _Entry, model_entry: _Entry):
         self._warm, self._entry, self._model = warm, entry, model_entry
         self.session = entry.obj
-        self.lock = model_entry.lock
 
     @property
     def warnings(self) -> list[str]:
@@ -73,7 +66,10 @@ class Lease:
     @property
     def concurrency(self) -> int:
         """Questions that decode together on this document (1: one at a time)."""
-        return self._entry.batcher.width if self._entry.batcher is not None else 1
+        from ..engine.scheduler import engine_for
+
+        engine = engine_for(self.session.lm)
+        return (engine.width or 1) if engine.batched else 1
 
     def ask(self, question: str, options: Any = None, on_text: Callable[[str], None] | None = None,
             cancelled: Callable[[], bool] | None = None, history: Any = ()):
@@ -84,43 +80,29 @@ class Lease:
     def ask_many(self, questions: list[str], options: Any = None, *, on_text: Callable[[int, str], None] | None = None,
                  on_answer: Callable[[int, Any], None] | None = None, cancelled: Callable[[], bool] | None = None,
                  history: Any = (), batch_size: int | None = None) -> list[Any]:
-        """Several questions, decoded together with whatever else asks this document (at most batch_size of
+        """Several questions, decoded together with whatever else asks this model (at most batch_size of
         these at once); callbacks run in this thread: on_text(i, text), on_answer(i, answer) as each completes."""
         from ..engine.answer import GenerationOptions
-        from ..engine.joining import Left
-
-        opts = options or GenerationOptions()
-        batcher = self._entry.batcher
+        from ..engine.scheduler import Left, Stopped
 
         def answered(i: int, a: Any) -> None:
             self._warm._served(self._entry, self._model)
             if on_answer:
                 on_answer(i, a)
 
-        if batcher is not None and (batch_size is None or batch_size > 1):
-            try:
-                return batcher.ask_many(questions, opts, history=history, batch_size=batch_size, on_text=on_text,
-                                        on_answer=answered, cancelled=cancelled)
-            except Left:
-                raise Cancelled() from None
-        answers = []
-        for i, q in enumerate(questions):
-            with self.lock:
-                if cancelled and cancelled():
-                    raise Cancelled()
-                answers.append(self.session.ask(q, opts, on_text=(lambda t, i=i: on_text(i, t)) if on_text else None,
-                                                history=history))
-            answered(i, answers[-1])
-        return answers
+        try:
+            return self.session.ask_many(questions, options or GenerationOptions(), batch_size=batch_size,
+                                         on_text=on_text, on_answer=answered, cancelled=cancelled, history=history)
+        except (Left, Stopped):
+            raise Cancelled() from None
 
 
 class HeldModel:
-    """A warm LoadedModel lent to one request (prefill); hold `lock` while running it."""
+    """A warm LoadedModel lent to one request (prefill, whose chunks take the model engine's turn)."""
 
     def __init__(self, warm: "Warm", entry: _Entry):
         self._warm, self._entry = warm, entry
         self.lm = entry.obj
-        self.lock = entry.lock
 
     def served(self) -> None:
         self._warm._served(self._entry)
@@ -233,11 +215,15 @@ class Warm:
         rows = {"models": [], "caches": []}
         for e in reversed(entries):  # most recently used first
             row = {**e.info, "bytes": e.nbytes, "loaded_at": e.loaded_at, "last_used": e.last_used, "served": e.served, "in_use": e.users}
+            lm = e.obj if e.kind == "model" else e.obj.lm
+            engine = getattr(lm, "_engine", None)
+            width = (engine.width or self.batch_size) if engine is not None and engine.batched else 1
             if e.kind == "model":
-                row["waiting"] = e.lock.waiting
-            elif e.batcher is not None:
-                row["batch"] = {"width": e.batcher.width, "asked": e.batcher.asked, "steps": e.batcher.steps,
-                                "peak_rows": e.batcher.peak_rows}
+                row["decoding"] = engine.mode if engine is not None else "idle"
+                row["engine"] = {"width": width, "asked": engine.asked, "steps": engine.steps,
+                                 "peak_rows": engine.peak_rows} if engine is not None else None
+            else:
+                row["batch"] = {"width": width, **e.obj.stats}
             rows["models" if e.kind == "model" else "caches"].append(row)
         return {"max_memory": self.max_memory, "bytes": sum(e.nbytes for e in entries), "reloads": self.reloads, **rows}
 
@@ -245,6 +231,23 @@ class Warm:
         """Drop everything not in use."""
         with self._mutex:
             self._evict(limit=0)
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request holds a model or cache, or any engine has work (for the idle timeout)."""
+        with self._mutex:
+            entries = list(self._entries.values())
+        return any(e.users > 0 for e in entries) or any(
+            getattr(e.obj, "_engine", None) is not None and e.obj._engine.busy for e in entries if e.kind == "model")
+
+    def close(self) -> None:
+        """Stop every model's engine: questions still waiting or decoding end with Cancelled."""
+        with self._mutex:
+            models = [e.obj for e in self._entries.values() if e.kind == "model"]
+        for lm in models:
+            engine = getattr(lm, "_engine", None)
+            if engine is not None:
+                engine.close()
 
     # ---- internals
     @contextmanager
@@ -296,8 +299,7 @@ class Warm:
         return self._take(key)
 
     def _restore(self, key: str, path: Path, *, model, revision, device, dtype, trust_remote_code, convert_dtype, progress) -> _Entry:
-        from ..engine import answer as an, attention, models
-        from ..engine.joining import Batcher
+        from ..engine import answer as an, models
         from ..format import store
 
         try:
@@ -319,8 +321,6 @@ class Warm:
             info = {"path": str(path), "model": model_entry.info["name"], "num_tokens": len(session.token_ids),
                     "dtype": manifest.dtype, "load_s": round(session.load_s, 4)}
             entry = _Entry(key, "cache", session, _nbytes_states(session.states), info, identity=identity, model_key=model_entry.key, users=1)
-            if self.batch_size > 1 and attention.batchable(model_entry.obj.model):
-                entry.batcher = Batcher(session, width=self.batch_size, turn=lambda: model_entry.lock)
             with self._mutex:
                 self._entries[key] = entry
                 self._evict()
@@ -331,9 +331,11 @@ class Warm:
     def _load_model(self, key: str, source: dict, device: str, dtype: str, trust_remote_code: bool, progress: Note | None) -> _Entry:
         """Load a model and hold it under its canonical key (the source, the device and the dtype it got)."""
         from ..engine import models
+        from ..engine.scheduler import engine_for
         from ..format.codec import dtype_name
 
         lm = models.load(source=source, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=progress)
+        engine_for(lm, width=self.batch_size)  # rows per document on this model: the server's --batch-size
         canonical = json.dumps(["model", lm.source, device, dtype_name(lm.dtype), trust_remote_code], sort_keys=True)
         with self._mutex:
             self._alias[key] = canonical
