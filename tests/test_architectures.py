@@ -247,29 +247,30 @@ def test_several_questions_on_one_loaded_cache_match_recompute(arch, name):
 
 
 @pytest.mark.parametrize("name", SLIDING)
-def test_wrong_counted_length_recomputes_the_document_and_the_counter_shows_it(arch, name):
-    """Restore sliding layers with seq_length = stored length (window-1): generate() then treats most of the
-    document as new and runs it again. On an all-sliding model the answer stays exact: only the count tells."""
+def test_wrong_counted_length_is_refused_before_any_forward(arch, name, monkeypatch):
+    """Restore sliding layers with seq_length = stored length (window-1): generate() would treat most of the
+    document as new and run it again (silently right on an all-sliding model), a batched step would put the
+    question at wrong positions. The engine refuses such states, batched or one at a time, before any forward."""
+    from kvcli.engine.scheduler import engine_for
+    from kvcli.errors import CacheCorruptError
+
     a = arch(name)
     good = kvcli.Session(a.lm, a.path)
-    bad = kvcli.Session(a.lm, a.path)
-    bad.cache = KVCache.from_states(
-        [dataclasses.replace(s, seq_length=s.keys.shape[-2]) if s.kind == "sliding" else s for s in bad.states])
-    n = len(good.token_ids)
-    counter = TokenCounter(a.model)
-    try:
-        ok = good.ask(QUESTIONS[0], OPTS)
-        ok_count = counter.total
-        counter.reset()
-        wrong = bad.ask(QUESTIONS[0], OPTS)
-        wrong_count = counter.total
-    finally:
-        counter.close()
-    assert ok_count == ok.processed_tokens == ok.new_tokens + len(ok.answer_token_ids) - 1
-    assert wrong_count == wrong.processed_tokens
-    assert wrong_count - ok_count >= n // 2, (n, ok_count, wrong_count)  # most of the document ran again
-    if all(kind == "sliding" for kind, _w in a.plan):
-        assert wrong.answer_token_ids == ok.answer_token_ids  # silently right: only the counter catches it
+    ok = good.ask(QUESTIONS[0], OPTS)
+    for batched in (True, False):
+        monkeypatch.setattr(engine_for(a.lm), "batched", batched)
+        bad = kvcli.Session(a.lm, a.path)
+        bad.cache = KVCache.from_states(
+            [dataclasses.replace(s, seq_length=s.keys.shape[-2]) if s.kind == "sliding" else s for s in bad.states])
+        counter = TokenCounter(a.model)
+        try:
+            with pytest.raises(CacheCorruptError, match="counted length"):
+                bad.ask(QUESTIONS[0], OPTS)
+            assert counter.total == 0
+            again = good.ask(QUESTIONS[0], OPTS)  # the engine goes on
+        finally:
+            counter.close()
+        assert again.answer_token_ids == ok.answer_token_ids
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..errors import CacheCorruptError
+
 GROW_TOKENS = 64  # suffix rows grow in steps of this many tokens (copying only the suffix)
 
 
@@ -151,10 +153,11 @@ class Decoder:
     (they share one padded pass), else one new token for every active row.
     """
 
-    def __init__(self, model: Any, states: Sequence[Any], *, width: int, eos: set[int], pad_id: int):
+    def __init__(self, model: Any, states: Sequence[Any], *, width: int, eos: set[int], pad_id: int,
+                 length: int | None = None):
         self.model, self.states, self.width, self.eos, self.pad_id = model, states, width, eos, pad_id
         self.device = states[0].keys.device
-        self.cached_length = states[0].seq_length
+        self.cached_length = check_lengths(states, length)
         self.cache: SharedPrefixCache | None = None
         self.waiting: list[Row] = []
         self.active: list[Row] = []
@@ -253,6 +256,19 @@ def take(row: Row, logits: torch.Tensor, eos: set[int]) -> None:
         row.finish_reason = "stop"
     elif len(row.answer) >= row.max_new:
         row.finish_reason = "length"
+
+
+def check_lengths(states: Sequence[Any], length: int | None = None) -> int:
+    """The document's length, which every layer must count (a sliding layer counts more tokens than it keeps).
+
+    A layer restored with another count would put the question at the wrong positions (batched) or make
+    the model run the document again (generate()): CacheCorruptError before any forward pass."""
+    counted = {s.seq_length for s in states}
+    want = length if length is not None else max(counted)
+    if counted != {want}:
+        raise CacheCorruptError(f"the restored layers count {sorted(counted)} tokens, the document has {want}: "
+                                "a sliding layer lost its counted length; rebuild the cache")
+    return want
 
 
 def padding_id(tokenizer: Any, model: Any) -> int:

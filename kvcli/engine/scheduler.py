@@ -170,16 +170,21 @@ class Engine:
             self._thread.start()
 
     def _decoder(self, session: Any, width: int) -> Any:
+        length = len(session.token_ids)
         if self.batched:
-            return batch.Decoder(self.lm.model, session.states, width=width, eos=self.eos, pad_id=self.pad_id)
-        return SoloDecoder(self.lm.model, session.cache, eos=self.eos)
+            return batch.Decoder(self.lm.model, session.states, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
+        return SoloDecoder(self.lm.model, session.cache, eos=self.eos, length=length)
 
     def _take_in(self) -> tuple[list[tuple[Any, Any]], _Turn | None]:
         """Under _cv: new rows in, leaving rows out; the documents to step and the turn to grant."""
         for session, q, events, limit in self._incoming:
             key = id(session)
             if key not in self._decoders:
-                self._decoders[key] = (session, self._decoder(session, self.width or limit))
+                try:
+                    self._decoders[key] = (session, self._decoder(session, self.width or limit))
+                except Exception as exc:  # states that cannot be decoded: this asker hears why, the engine goes on
+                    events.put(("error", q.row.index, exc))
+                    continue
             self._decoders[key][1].add(q.row)
             self._owners[id(q.row)] = (session, events)
         self._incoming.clear()

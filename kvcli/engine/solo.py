@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .batch import Row, take
+from .batch import Row, check_lengths, take
 
 
 class SoloDecoder:
@@ -22,7 +22,8 @@ class SoloDecoder:
 
     width = 1
 
-    def __init__(self, model: Any, cache: Any, *, eos: set[int]):
+    def __init__(self, model: Any, cache: Any, *, eos: set[int], length: int | None = None):
+        check_lengths(cache.states(), length)
         self.model, self.cache, self.eos = model, cache, eos
         self.device = model.device
         self.waiting: list[Row] = []
