@@ -40,12 +40,11 @@ from .format import store
 from .documents import Document
 from .errors import UsageError
 from .engine.models import LoadedModel
+from .bench_timing import RESTORE_REPEATS, TTFT_QUESTIONS
 
 DEFAULT_SIZES = (1024, 2048, 4096, 8192)
-RESTORE_REPEATS = 3
 ANSWER_TOKENS = 32  # tokens per answer compared with recompute
 DECODE_TOKENS = 64  # answer tokens generated to measure decode speed
-TTFT_QUESTIONS = 5  # TTFT (with and without the cache) is timed on the first questions; agreement uses all
 AGREEMENT_TOKENS = 64  # new tokens per reference answer when measuring a quantized format's agreement
 QUESTIONS = (
     "What is this document about, in one sentence?",

@@ -18,8 +18,7 @@ from .documents import Document
 from .engine import answer, fidelity, prefilling as pf, restore
 from .engine.models import LoadedModel
 from .format import store
-
-from .bench import RESTORE_REPEATS, TTFT_QUESTIONS
+from .bench_timing import RESTORE_REPEATS, TTFT_QUESTIONS
 
 
 def _restore_s(lm: LoadedModel, path: Path) -> float:

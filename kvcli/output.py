@@ -2,7 +2,7 @@
 
 Progress bars, answer headings and timing summaries show only on a terminal; --quiet silences all but
 errors. A closed stdout (a reader such as `head` quit) raises BrokenPipeError out of every write, so the
-command stops and cli.py ends it quietly with EXIT_PIPE.
+command stops and cli/app.py ends it quietly with EXIT_PIPE.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import CacheCorruptError, CacheVersionError
+from ..errors import CacheVersionError
 from . import payload
 from .dtypes import ITEM_SIZES
+from .fields import MAX_DIM, bad, get_field, int_field, numel, shape_field, str_field
 
 FORMAT_NAME = "kvcli-cache"
 FORMAT_VERSION = 1  # lossless caches
@@ -31,15 +32,11 @@ DTYPE_SIZES = ITEM_SIZES  # bytes per element of each storable dtype (format/dty
 LAYER_KINDS = ("full", "sliding")
 _SHARD_NAME = re.compile(r"^layer_[0-9]{3,6}\.safetensors\.zst$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-MAX_DIM = 1 << 24
 # Generous ceilings far above any real model; the model-dependent checks (engine/fit.check_fits) are stricter.
 MAX_LAYERS = 4096
 MAX_KV_HEADS = 4096
 MAX_HEAD_DIM = 8192
 MAX_TOKENS = 1 << 24
-MAX_TEXT = 4096  # names, versions, hashes, paths: anything longer is not something kvcli wrote
-# C0/C1 control characters (ESC starts terminal escape sequences): never in a name kvcli writes or prints.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _TOP_KEYS = {"format", "format_version", "manifest_sha256", "kvcli_version", "transformers_version", "created",
              "model", "framing", "document", "token_ids", "compression", "layers", "provenance"}
 # What computed the keys/values (optional: caches written before 0.1 provenance lack it). Other kernels
@@ -136,55 +133,6 @@ def checksum(body: dict[str, Any]) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()
 
 
-def _bad(where: str, what: str) -> CacheCorruptError:
-    return CacheCorruptError(f"{where}: {what}")
-
-
-def _get(obj: dict, key: str, types: type | tuple, where: str, *, optional: bool = False) -> Any:
-    """obj[key] checked for type; `key` may be dotted ("model.dtype") to name the field in messages."""
-    name = key.rpartition(".")[2]
-    if name not in obj:
-        if optional:
-            return None
-        raise _bad(where, f"manifest field '{key}' is missing")
-    value = obj[name]
-    if optional and value is None:
-        return None
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise _bad(where, f"manifest field '{key}' has the wrong type")
-    if not isinstance(value, types):
-        raise _bad(where, f"manifest field '{key}' has the wrong type")
-    return value
-
-
-def _int(obj: dict, key: str, where: str, lo: int, hi: int, *, optional: bool = False) -> int | None:
-    value = _get(obj, key, int, where, optional=optional)
-    if value is not None and not lo <= value <= hi:
-        raise _bad(where, f"manifest field '{key}' = {value} is out of range")
-    return value
-
-
-def _str(obj: dict, key: str, where: str, *, optional: bool = False, pattern: re.Pattern | None = None,
-         limit: int | None = MAX_TEXT) -> str | None:
-    value = _get(obj, key, str, where, optional=optional)
-    if value is None:
-        return None
-    if pattern is not None and not pattern.fullmatch(value):
-        raise _bad(where, f"manifest field '{key}' is malformed")
-    if limit is not None and len(value) > limit:
-        raise _bad(where, f"manifest field '{key}' is implausibly long")
-    if limit is not None and _CONTROL.search(value):
-        raise _bad(where, f"manifest field '{key}' holds control characters")
-    return value
-
-
-def _shape(obj: dict, key: str, where: str) -> tuple[int, ...]:
-    value = _get(obj, key, list, where)
-    if len(value) != 4 or any(type(v) is not int or not 0 <= v <= MAX_DIM for v in value):
-        raise _bad(where, f"manifest field '{key}' is not a 4-d shape")
-    return tuple(value)
-
-
 def parse(raw: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes; raise CacheCorruptError / CacheVersionError naming `where`.
 
@@ -194,11 +142,11 @@ def parse(raw: bytes, where: str) -> Manifest:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, huge int literals
-        raise _bad(where, f"manifest is not valid JSON ({exc.__class__.__name__})") from None
+        raise bad(where, f"manifest is not valid JSON ({exc.__class__.__name__})") from None
     if not isinstance(body, dict):
-        raise _bad(where, "manifest is not a JSON object")
+        raise bad(where, "manifest is not a JSON object")
     if body.get("format") != FORMAT_NAME:
-        raise _bad(where, "not a kvcli cache manifest")
+        raise bad(where, "not a kvcli cache manifest")
     version = body.get("format_version")
     if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise CacheVersionError(f"{where}: cache format version {version!r} is not supported "
@@ -208,64 +156,64 @@ def parse(raw: bytes, where: str) -> Manifest:
     except (ValueError, TypeError, RecursionError):
         intact = False
     if not intact:
-        raise _bad(where, "manifest checksum does not match its content (edited or damaged)")
+        raise bad(where, "manifest checksum does not match its content (edited or damaged)")
     try:
         return _validate(body, version, where)
     except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as exc:
         # Defence in depth: a check should have named the problem already; a crafted manifest never crashes kvcli.
-        raise _bad(where, f"manifest does not follow the schema ({exc.__class__.__name__})") from None
+        raise bad(where, f"manifest does not follow the schema ({exc.__class__.__name__})") from None
 
 
 def _validate(body: dict, version: int, where: str) -> Manifest:
     unknown = sorted(set(body) - _TOP_KEYS)
     if unknown:
-        raise _bad(where, f"unknown manifest field {unknown[0]!r}")
+        raise bad(where, f"unknown manifest field {unknown[0]!r}")
     for key in ("kvcli_version", "transformers_version", "created"):
-        _str(body, key, where)
+        str_field(body, key, where)
     for key in ("model", "framing", "document", "compression"):
-        _get(body, key, dict, where)
+        get_field(body, key, dict, where)
     model = body["model"]
-    dtype = _str(model, "model.dtype", where)
+    dtype = str_field(model, "model.dtype", where)
     if dtype not in DTYPE_SIZES:
-        raise _bad(where, f"unsupported dtype {dtype!r}")
-    _int(model, "model.num_layers", where, 1, MAX_LAYERS)
-    _int(model, "model.num_kv_heads", where, 1, MAX_KV_HEADS)
-    _int(model, "model.head_dim", where, 1, MAX_HEAD_DIM)
-    max_positions = _int(model, "model.max_positions", where, 1, 1 << 40, optional=True)
+        raise bad(where, f"unsupported dtype {dtype!r}")
+    int_field(model, "model.num_layers", where, 1, MAX_LAYERS)
+    int_field(model, "model.num_kv_heads", where, 1, MAX_KV_HEADS)
+    int_field(model, "model.head_dim", where, 1, MAX_HEAD_DIM)
+    max_positions = int_field(model, "model.max_positions", where, 1, 1 << 40, optional=True)
     for key in ("config_sha256", "weights_sha256", "tokenizer_sha256"):
-        _str(model, f"model.{key}", where, pattern=_SHA256)
-    _str(model, "model.chat_template_sha256", where, pattern=_SHA256, optional=True)
-    _str(model, "model.model_type", where)
-    _str(model, "model.name", where, optional=True)
-    _source(_get(model, "model.source", dict, where), where)
+        str_field(model, f"model.{key}", where, pattern=_SHA256)
+    str_field(model, "model.chat_template_sha256", where, pattern=_SHA256, optional=True)
+    str_field(model, "model.model_type", where)
+    str_field(model, "model.name", where, optional=True)
+    _source(get_field(model, "model.source", dict, where), where)
     framing = body["framing"]
-    if _str(framing, "framing.kind", where) not in ("chat", "plain"):
-        raise _bad(where, "unknown prompt framing")
-    _str(framing, "framing.system", where, optional=True, limit=None)  # prompt text: any characters (shown with repr)
-    _int(framing, "framing.version", where, 0, 1 << 20, optional=True)
-    _str(framing, "framing.template_sha256", where, pattern=_SHA256, optional=True)
-    _framing_cut(framing, len(_get(body, "token_ids", list, where)), where)
+    if str_field(framing, "framing.kind", where) not in ("chat", "plain"):
+        raise bad(where, "unknown prompt framing")
+    str_field(framing, "framing.system", where, optional=True, limit=None)  # prompt text: any characters (shown with repr)
+    int_field(framing, "framing.version", where, 0, 1 << 20, optional=True)
+    str_field(framing, "framing.template_sha256", where, pattern=_SHA256, optional=True)
+    _framing_cut(framing, len(get_field(body, "token_ids", list, where)), where)
     document = body["document"]
-    _str(document, "document.sha256", where, pattern=_SHA256)
-    _int(document, "document.chars", where, 0, 1 << 40)
-    _str(document, "document.name", where, optional=True)
+    str_field(document, "document.sha256", where, pattern=_SHA256)
+    int_field(document, "document.chars", where, 0, 1 << 40)
+    str_field(document, "document.name", where, optional=True)
     compression = body["compression"]
     if compression.get("codec") != "zstd" or compression.get("transform", "none") not in ("none", "byteplane"):
-        raise _bad(where, "unknown compression")
-    _int(compression, "compression.level", where, -(1 << 17), 22, optional=True)
+        raise bad(where, "unknown compression")
+    int_field(compression, "compression.level", where, -(1 << 17), 22, optional=True)
     quant = compression.get("quant")
     if (quant is not None) != (version == QUANT_FORMAT_VERSION):
-        raise _bad(where, f"format version {version} {'needs' if quant is None else 'has no'} a compression.quant block")
+        raise bad(where, f"format version {version} {'needs' if quant is None else 'has no'} a compression.quant block")
     if quant is not None:
         _quant(quant, compression, where)
-    token_ids = _get(body, "token_ids", list, where)
+    token_ids = get_field(body, "token_ids", list, where)
     if not token_ids or any(type(t) is not int or not 0 <= t < (1 << 31) for t in token_ids):
-        raise _bad(where, "token_ids must be a non-empty list of non-negative integers")
+        raise bad(where, "token_ids must be a non-empty list of non-negative integers")
     if len(token_ids) > MAX_TOKENS or (max_positions is not None and len(token_ids) > max_positions):
-        raise _bad(where, f"{len(token_ids)} tokens exceed the model's limit of {max_positions or MAX_TOKENS} positions")
-    layers_raw = _get(body, "layers", list, where)
+        raise bad(where, f"{len(token_ids)} tokens exceed the model's limit of {max_positions or MAX_TOKENS} positions")
+    layers_raw = get_field(body, "layers", list, where)
     if len(layers_raw) != model["num_layers"]:
-        raise _bad(where, f"{len(layers_raw)} layers listed, model has {model['num_layers']}")
+        raise bad(where, f"{len(layers_raw)} layers listed, model has {model['num_layers']}")
     layers = [_layer(entry, i, len(token_ids), model, where, quant) for i, entry in enumerate(layers_raw)]
     provenance = _provenance(body, where)
     return Manifest(
@@ -290,102 +238,102 @@ def _framing_cut(framing: dict, num_tokens: int, where: str) -> None:
     present = [k for k in keys if k in framing]
     if framing.get("version") != 2:
         if present:
-            raise _bad(where, f"manifest field 'framing.{present[0]}' belongs to framing version 2")
+            raise bad(where, f"manifest field 'framing.{present[0]}' belongs to framing version 2")
         return
-    anchor = _str(framing, "framing.anchor", where, limit=None)
-    pending = _str(framing, "framing.pending", where, limit=None)
-    tokens = _int(framing, "framing.anchor_tokens", where, 0, min(num_tokens - 1, 1 << 10))
+    anchor = str_field(framing, "framing.anchor", where, limit=None)
+    pending = str_field(framing, "framing.pending", where, limit=None)
+    tokens = int_field(framing, "framing.anchor_tokens", where, 0, min(num_tokens - 1, 1 << 10))
     if not (tokens or pending) or bool(tokens) != bool(anchor):
-        raise _bad(where, "framing version 2 without a consistent cut (anchor, anchor_tokens, pending)")
+        raise bad(where, "framing version 2 without a consistent cut (anchor, anchor_tokens, pending)")
 
 
 def _provenance(body: dict, where: str) -> dict[str, str] | None:
     """The optional provenance object: known keys only, each a short plain string."""
-    prov = _get(body, "provenance", dict, where, optional=True)
+    prov = get_field(body, "provenance", dict, where, optional=True)
     if prov is None:
         return None
     unknown = sorted(set(prov) - set(PROVENANCE_KEYS))
     if unknown:
-        raise _bad(where, f"unknown provenance field {unknown[0]!r}")
+        raise bad(where, f"unknown provenance field {unknown[0]!r}")
     for key in PROVENANCE_KEYS:
-        _str(prov, f"provenance.{key}", where, optional=True)
+        str_field(prov, f"provenance.{key}", where, optional=True)
     return dict(prov)
 
 
 def _source(source: dict, where: str) -> None:
     """Where the model came from: `ask` without --model loads it again, so every field it reads is checked."""
-    kind = _str(source, "model.source.kind", where)
-    _str(source, "model.source.name", where, optional=True)
+    kind = str_field(source, "model.source.kind", where)
+    str_field(source, "model.source.name", where, optional=True)
     for key in _SOURCE_FIELDS.get(kind, ()):
-        _str(source, f"model.source.{key}", where, pattern=_SHA256 if key == "sha256" else None)
-    _str(source, "model.source.revision", where, optional=True)
+        str_field(source, f"model.source.{key}", where, pattern=_SHA256 if key == "sha256" else None)
+    str_field(source, "model.source.revision", where, optional=True)
 
 
 def _quant(quant: Any, compression: dict, where: str) -> None:
     """The quantization block: exactly these fields, each in range (sizes and layout follow from it)."""
     if not isinstance(quant, dict):
-        raise _bad(where, "manifest field 'compression.quant' has the wrong type")
+        raise bad(where, "manifest field 'compression.quant' has the wrong type")
     if not _QUANT_KEYS <= set(quant) <= _QUANT_KEYS | _QUANT_OPTIONAL:
-        raise _bad(where, f"compression.quant fields {sorted(quant)} are not {sorted(_QUANT_KEYS)} "
+        raise bad(where, f"compression.quant fields {sorted(quant)} are not {sorted(_QUANT_KEYS)} "
                           f"(plus optionally {sorted(_QUANT_OPTIONAL)})")
-    if _int(quant, "compression.quant.bits", where, 1, 64) not in KV_BITS:
-        raise _bad(where, f"unsupported quantization to {quant['bits']} bits")
-    _int(quant, "compression.quant.group_size", where, 1, MAX_GROUP)
-    _int(quant, "compression.quant.exact_tokens", where, 0, MAX_TOKENS)
+    if int_field(quant, "compression.quant.bits", where, 1, 64) not in KV_BITS:
+        raise bad(where, f"unsupported quantization to {quant['bits']} bits")
+    int_field(quant, "compression.quant.group_size", where, 1, MAX_GROUP)
+    int_field(quant, "compression.quant.exact_tokens", where, 0, MAX_TOKENS)
     if "recent_tokens" in quant:
-        _int(quant, "compression.quant.recent_tokens", where, 0, MAX_TOKENS)
-    if _str(quant, "compression.quant.scale_dtype", where) not in ("float16", "float32"):
-        raise _bad(where, "unsupported compression.quant.scale_dtype")
+        int_field(quant, "compression.quant.recent_tokens", where, 0, MAX_TOKENS)
+    if str_field(quant, "compression.quant.scale_dtype", where) not in ("float16", "float32"):
+        raise bad(where, "unsupported compression.quant.scale_dtype")
     for key, axis in QUANT_AXES.items():
         if quant[key] != axis:
-            raise _bad(where, f"compression.quant.{key} must be {axis!r}")
+            raise bad(where, f"compression.quant.{key} must be {axis!r}")
     if compression.get("transform", "none") != "none":
-        raise _bad(where, "a quantized cache has no byte-plane transform")
+        raise bad(where, "a quantized cache has no byte-plane transform")
 
 
 def _layer(entry: Any, i: int, num_tokens: int, model: dict, where: str, quant: dict | None = None) -> LayerEntry:
     w = f"{where} (layer {i})"
     if not isinstance(entry, dict):
-        raise _bad(w, "layer entry is not an object")
+        raise bad(w, "layer entry is not an object")
     unknown = sorted(set(entry) - _LAYER_KEYS)
     if unknown:
-        raise _bad(w, f"unknown layer field {unknown[0]!r}")
-    if _int(entry, "index", w, 0, MAX_DIM) != i:
-        raise _bad(w, "layer index out of order")
-    kind = _str(entry, "kind", w)
+        raise bad(w, f"unknown layer field {unknown[0]!r}")
+    if int_field(entry, "index", w, 0, MAX_DIM) != i:
+        raise bad(w, "layer index out of order")
+    kind = str_field(entry, "kind", w)
     if kind not in LAYER_KINDS:
-        raise _bad(w, f"unknown layer kind {kind!r}")
-    window = _int(entry, "sliding_window", w, 1, 1 << 31, optional=True)
+        raise bad(w, f"unknown layer kind {kind!r}")
+    window = int_field(entry, "sliding_window", w, 1, 1 << 31, optional=True)
     if (kind == "sliding") != (window is not None):
-        raise _bad(w, "sliding_window must be given exactly for sliding layers")
-    seq_length = _int(entry, "seq_length", w, 0, 1 << 31)
-    cached = _int(entry, "cached_length", w, 0, 1 << 31)
+        raise bad(w, "sliding_window must be given exactly for sliding layers")
+    seq_length = int_field(entry, "seq_length", w, 0, 1 << 31)
+    cached = int_field(entry, "cached_length", w, 0, 1 << 31)
     expect_cached = num_tokens if kind == "full" else min(num_tokens, window - 1)
     if seq_length != num_tokens or cached != expect_cached:
-        raise _bad(w, f"lengths {cached}/{seq_length} do not fit {num_tokens} cached tokens")
-    name = _get(entry, "file", str, w)
+        raise bad(w, f"lengths {cached}/{seq_length} do not fit {num_tokens} cached tokens")
+    name = get_field(entry, "file", str, w)
     if not _SHARD_NAME.fullmatch(name) or name != shard_name(i):  # never a path: no '/', no '..', one name per layer
-        raise _bad(w, f"shard name {name!r} is not the plain file name {shard_name(i)!r}")
-    key_shape, value_shape = _shape(entry, "key_shape", w), _shape(entry, "value_shape", w)
+        raise bad(w, f"shard name {name!r} is not the plain file name {shard_name(i)!r}")
+    key_shape, value_shape = shape_field(entry, "key_shape", w), shape_field(entry, "value_shape", w)
     for shape in (key_shape, value_shape):
         if shape[0] != 1 or shape[1] != model["num_kv_heads"] or shape[2] != cached:
-            raise _bad(w, f"shape {list(shape)} does not fit the model and {cached} tokens")
+            raise bad(w, f"shape {list(shape)} does not fit the model and {cached} tokens")
     if key_shape[3] != model["head_dim"]:
-        raise _bad(w, f"key head_dim {key_shape[3]} does not match the model's {model['head_dim']}")
+        raise bad(w, f"key head_dim {key_shape[3]} does not match the model's {model['head_dim']}")
     if not 1 <= value_shape[3] <= MAX_HEAD_DIM:
-        raise _bad(w, f"value head_dim {value_shape[3]} is out of range")
+        raise bad(w, f"value head_dim {value_shape[3]} is out of range")
     item = DTYPE_SIZES[model["dtype"]]
-    raw = item * (_numel(key_shape) + _numel(value_shape))
-    if _int(entry, "raw_bytes", w, 0, 1 << 48) != raw:
-        raise _bad(w, f"raw_bytes does not match shapes ({raw})")
-    decoded = _int(entry, "decoded_bytes", w, 0, 1 << 48)
+    raw = item * (numel(key_shape) + numel(value_shape))
+    if int_field(entry, "raw_bytes", w, 0, 1 << 48) != raw:
+        raise bad(w, f"raw_bytes does not match shapes ({raw})")
+    decoded = int_field(entry, "decoded_bytes", w, 0, 1 << 48)
     data = raw if quant is None else payload.data_bytes(payload.quant_layout(model["dtype"], key_shape, value_shape, quant))
     if not data < decoded <= data + 8 + payload.MAX_HEADER:
-        raise _bad(w, "decoded_bytes does not fit the shapes")
-    stored = _int(entry, "stored_bytes", w, 1, 1 << 48)
+        raise bad(w, "decoded_bytes does not fit the shapes")
+    stored = int_field(entry, "stored_bytes", w, 1, 1 << 48)
     if stored > decoded + decoded // 64 + 4096:  # zstd never expands data by more than a sliver
-        raise _bad(w, "stored_bytes does not fit decoded_bytes")
-    _str(entry, "sha256", w, pattern=_SHA256)
+        raise bad(w, "stored_bytes does not fit decoded_bytes")
+    str_field(entry, "sha256", w, pattern=_SHA256)
     return LayerEntry(
         index=i,
         kind=kind,
@@ -400,10 +348,3 @@ def _layer(entry: Any, i: int, num_tokens: int, model: dict, where: str, quant: 
         stored_bytes=entry["stored_bytes"],
         sha256=entry["sha256"],
     )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

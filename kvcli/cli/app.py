@@ -1,0 +1,93 @@
+"""The root typer app: plain help, --version, and the one place kvcli errors become a stderr line and an exit code."""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from typing import Annotated
+
+import typer
+from typer.core import TyperArgument, TyperCommand
+
+from .. import __version__
+from ..errors import KvcliError
+from ..output import EXIT_PIPE, Output, debug_enabled, is_broken_pipe, stdout_gone
+
+EXIT_CODES = ("Exit codes: 0 ok, 1 failure, 2 usage error, 3 cache missing/corrupt/stale (rebuild it), "
+              "4 ask --check: an answer differs from a full recompute.")
+app = typer.Typer(
+    help=f"Prefill a long document once into a compressed KV cache, then ask it many questions. {EXIT_CODES}",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+class _Help(TyperCommand):
+    """Plain click-style help: metavars and choices, not typer's type labels (<bool>, <list[str]>)."""
+
+    def format_options(self, ctx, formatter) -> None:
+        rows: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if isinstance(param, TyperArgument):
+                name = param.metavar or param.name.upper()
+                rows["Arguments"].append((name + ("..." if param.nargs != 1 else ""), record[1]))
+            else:
+                rows["Options"].append(record)
+        for title, items in rows.items():
+            if items:
+                with formatter.section(title):
+                    formatter.write_dl(items)
+
+
+def command(fn):
+    """Register a command and map kvcli errors to one stderr line and an exit code, in one place."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        out = Output(quiet=kwargs.get("quiet", False))
+        try:
+            code = fn(*args, **kwargs)
+        except OSError as exc:
+            if not is_broken_pipe(exc):
+                return _unexpected(out, exc)
+            stdout_gone()  # the reader left (e.g. `| head`): stop quietly, as Unix tools do
+            raise typer.Exit(EXIT_PIPE) from None
+        except KvcliError as exc:
+            if debug_enabled():
+                traceback.print_exc()
+            out.error(exc, exc.hint)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            out.error("interrupted")
+            raise typer.Exit(130) from None
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as exc:  # a bug or an unforeseen failure: one line, traceback on request
+            return _unexpected(out, exc)
+        if code:
+            raise typer.Exit(code)
+
+    return app.command(cls=_Help)(wrapper)
+
+
+def _unexpected(out: Output, exc: Exception):
+    if debug_enabled():
+        traceback.print_exc()
+    out.error(f"unexpected {exc.__class__.__name__}: {exc}", "set KVCLI_DEBUG=1 for a traceback")
+    raise typer.Exit(1) from None
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvcli {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False) -> None:
+    pass

@@ -1,0 +1,52 @@
+"""kvcli bench: prefill, restore and time to first token measured on one document (library: kvcli.bench)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..errors import UsageError
+from ..output import Output
+from .app import command
+from .common import gather_questions
+from .options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt
+
+
+@command
+def bench(
+    doc: Annotated[Path, typer.Argument(metavar="DOC", help="Document to measure with (repeated or cut to each length).")],
+    tokens: Annotated[list[int], typer.Option("--tokens", "-n", metavar="N", show_default=False, help="Document lengths in tokens (repeatable; default: 1k, 2k, 4k, 8k within the model's limit).")] = [],  # noqa: B006
+    questions: Annotated[int, typer.Option(min=1, metavar="N", help="Questions timed per length.")] = 3,
+    answer_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Tokens per whole answer compared with a full recompute.")] = 32,
+    questions_file: Annotated[list[Path], typer.Option("--questions-file", "-f", metavar="FILE", help="Questions to use, one per line (repeatable; default: generic ones).")] = [],  # noqa: B006
+    kv_bits: Annotated[list[int], typer.Option("--kv-bits", metavar="BITS", help="Also measure this quantized format against the lossless cache (8 or 4; repeatable).")] = [],  # noqa: B006
+    agreement_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="New tokens per answer when measuring a quantized format's agreement.")] = 64,
+    model: ModelOpt = None,
+    revision: RevisionOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Measure prefill, restore and time to first token with and without the cache, and sizes."""
+    from .. import bench as bn, documents
+    from ..engine import models
+
+    out = Output(quiet=quiet)
+    document = documents.read(doc)
+    pool = []
+    for f in questions_file:
+        pool += gather_questions([], str(f))
+    if any(b not in (8, 4) for b in kv_bits):
+        raise UsageError(f"--kv-bits must be 8 or 4, got {kv_bits}")
+    with out.status("loading model"):
+        lm = models.load(model, revision=revision, device=device, dtype=dtype, progress=out.note)
+    result = bn.run(lm, document, tokens=tokens or None, questions=questions, progress=out.note, answer_tokens=answer_tokens,
+                    kv_bits=kv_bits, question_list=pool or None, agreement_tokens=agreement_tokens)
+    if json_out:
+        out.json_doc(result)
+    else:
+        out.table(bn.render(result))
+    return 0

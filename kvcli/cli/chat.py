@@ -1,0 +1,76 @@
+"""kvcli chat: a conversation about one cached document, a question per line (library: engine.conversation)."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+
+from .. import served
+from ..errors import UsageError
+from ..output import Output
+from .app import command
+from .common import local_cache, read_answer_json, shown
+from .options import (CacheDtypeOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, SeedOpt, ServerOpt,
+                      TemperatureOpt, TopPOpt, TrustOpt)
+
+
+@command
+def chat(
+    cache: Annotated[str, typer.Option("--cache", "-c", metavar="CACHE", help="Cache of the document to talk about: a folder or a URL.")],
+    max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens per answer.")] = 256,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    seed: SeedOpt = None,
+    stop: Annotated[list[str], typer.Option(metavar="TEXT", help="End an answer at this string (repeatable).", show_default=False)] = [],  # noqa: B006
+    follow_up: FollowUpOpt = None,
+    model: ModelOpt = None,
+    revision: RevisionOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: CacheDtypeOpt = None,
+    convert_dtype: ConvertDtypeOpt = False,
+    trust_remote_code: TrustOpt = False,
+    server: ServerOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Talk about a cached document: one question per line (interactive or stdin); each follows the earlier ones."""
+    out = Output(quiet=quiet)
+    if top_p <= 0:
+        raise UsageError("--top-p must be above 0")
+    if str(follow_up) == "-":
+        raise UsageError("chat reads its questions from stdin: give --follow-up a file")
+    if trust_remote_code and not model:
+        raise UsageError("--trust-remote-code needs an explicit --model: a cache must not choose whose code runs")
+    earlier = read_answer_json(follow_up) if follow_up else None
+    options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop)}
+    from ..remote import is_url
+
+    if server is not False and not is_url(cache) and served.answers(server):  # the conversation goes through the running server
+        fields = {"caches": [os.path.abspath(cache)], "options": options, "model": served.client_model(model), "revision": revision,
+                  "device": device, "dtype": dtype, "convert_dtype": convert_dtype, "trust_remote_code": trust_remote_code,
+                  "stream": not json_out}
+        if earlier is not None:
+            fields.update(follow_up=earlier, follow_up_name=str(follow_up))
+        while (line := out.read_line("> ")) is not None:
+            if line.strip():
+                code, fields = served.chat_turn(out, fields, line, str(cache), model, json_out)
+                if code:
+                    raise typer.Exit(code)
+        return 0
+    from ..engine import answer as an, conversation
+
+    opts = an.GenerationOptions(**{**options, "stop": tuple(stop)})
+    loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
+    local = local_cache(cache, out)
+    with out.status(f"loading {shown(cache)}"):
+        session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
+    for warning in session.warnings:
+        out.warn(warning)
+    talk = conversation.Chat(session, conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier else ())
+    while (line := out.read_line("> ")) is not None:
+        if line.strip():
+            a = talk.ask(line, opts, on_text=None if json_out else out.write)
+            out.json_line({**a.to_json(), "cache": shown(cache), "served": False}) if json_out else out.write("\n")
+    return 0

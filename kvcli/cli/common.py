@@ -1,0 +1,79 @@
+"""Helpers more than one command uses: cache paths as shown and opened, questions and earlier answers read, ages."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+from ..errors import UsageError
+from ..output import Output
+
+
+def local_cache(path: str, out: Output) -> Path:
+    """A cache folder to open: the path itself, or the checked local copy of a remote cache."""
+    from ..remote import is_url
+
+    if not is_url(path):
+        return Path(path)
+    from ..remote import local_store
+
+    with out.status(f"fetching {shown(path)}"):
+        return local_store.fetch(path, progress=out.note)
+
+
+def shown(path: str) -> str:
+    """A cache path or URL as printed (a URL without user:password@)."""
+    from ..remote import is_url
+
+    if not is_url(path):
+        return path
+    from ..remote.objects import redact
+
+    return redact(path)
+
+
+def read_answer_json(path: Path):
+    """The last JSON line of an `ask --json` output file (or stdin for '-')."""
+    import json
+
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: cannot read ({exc})") from None
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise UsageError(f"{path}: empty (expected `kvcli ask --json` output)")
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        raise UsageError(f"{path}: the last line is not JSON (expected `kvcli ask --json` output)") from None
+
+
+def gather_questions(args: list[str], questions_file: Optional[str]) -> list[str]:
+    for n, q in enumerate(args, 1):
+        if not q.strip():
+            raise UsageError(f"question {n} is empty" if len(args) > 1 else "the question is empty")
+    qs = list(args)
+    if questions_file is not None:
+        try:
+            text = sys.stdin.read() if questions_file == "-" else Path(questions_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{questions_file}: cannot read questions ({exc})") from None
+        qs += [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    elif not qs and not sys.stdin.isatty():
+        text = sys.stdin.read().strip()
+        if text:
+            qs.append(text)
+    if not qs:
+        raise UsageError("no question given (arguments, -f FILE, or text on stdin)")
+    return qs
+
+
+def human_age(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"

@@ -1,0 +1,95 @@
+"""kvcli info and verify: a cache's manifest, and its shards checked against it (no model, no torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..errors import KvcliError
+from ..output import Output, human_bytes
+from .app import command
+from .common import shown
+from .options import JsonOpt, QuietOpt
+
+
+@command
+def info(
+    cache: Annotated[str, typer.Argument(metavar="CACHE", help="Cache directory or URL.")],
+    json_out: JsonOpt = False,
+) -> int:
+    """Show a cache's manifest: model, document, tokens, layers and sizes."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from ..format import catalog, store
+
+    from ..remote import is_url
+
+    out = Output()
+    if is_url(cache):
+        from ..remote import objects
+
+        m = objects.read_manifest(cache)  # the manifest only: nothing else is downloaded
+        s = catalog.summary(objects.redact(cache), m)
+    else:
+        m = store.read_manifest(cache)
+        s = catalog.summary(Path(cache), m)
+    if json_out:
+        out.json_doc({**s, "layers": catalog.layer_rows(m)})
+        return 0
+    head = Table.grid(padding=(0, 2))
+    for key in ("path", "model", "model_type", "num_tokens", "dtype", "num_layers", "created"):
+        head.add_row(key, Text(str(s[key])))
+    head.add_row("document", Text(f"{m.document.get('name')} ({m.document.get('chars'):,} chars)"))
+    head.add_row("framing", Text(f"{m.framing.get('kind')}" + (f", system: {m.framing['system']!r}" if m.framing.get("system") else "")))
+    head.add_row("size", f"{human_bytes(s['bytes_on_disk'])} on disk, {human_bytes(s['bytes_raw'])} raw ({s['ratio']:.1%})")
+    prov = s["provenance"]
+    head.add_row("built with", Text(f"torch {prov.get('torch_version')}, {prov.get('device_type')}, attention "
+                                    f"{prov.get('attn_implementation')}, transformers {s['transformers_version']}" if prov
+                                    else f"transformers {s['transformers_version']} (torch, device, attention not recorded)"))
+    head.add_row("storage", Text(catalog.describe_storage(m)))
+    out.table(head)
+    table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")
+    for row in catalog.layer_rows(m):
+        table.add_row(str(row["index"]), row["kind"], str(row["sliding_window"] or "-"), f"{row['cached_length']:,}",
+                      human_bytes(row["raw_bytes"]), human_bytes(row["stored_bytes"]), f"{row['ratio']:.1%}")
+    out.table(table)
+    return 0
+
+
+@command
+def verify(
+    caches: Annotated[list[str], typer.Argument(metavar="CACHE", help="Cache directories or URLs.")],
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Check every shard of each cache against its manifest (no model needed). Exit 3 if any is bad."""
+    out = Output(quiet=quiet)
+    worst = 0
+    for path in caches:
+        try:
+            m = _verify(path)
+        except KvcliError as exc:
+            worst = max(worst, exc.exit_code)
+            out.json_line({"cache": shown(path), "ok": False, "error": str(exc)}) if json_out else out.error(exc)
+            continue
+        if json_out:
+            out.json_line({"cache": shown(path), "ok": True, "num_tokens": m.num_tokens, "num_layers": len(m.layers),
+                           "storage": m.storage})
+        else:
+            out.note(f"{shown(path)}: ok ({len(m.layers)} layers, {m.num_tokens:,} tokens, {m.storage})")
+    return worst
+
+
+def _verify(path: str):
+    """A local cache, or a remote one as it is in its store (never the local copy ask uses)."""
+    from ..format import store
+    from ..remote import is_url
+
+    if not is_url(path):
+        return store.verify(path)
+    from ..remote import objects
+
+    return objects.verify(path)

@@ -1,0 +1,31 @@
+"""Options spelled once, shared by every command. Choices are Literal types: typer checks them while
+parsing (exit 2 naming the allowed values, before anything loads) and lists them in --help."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import typer
+
+Device = Literal["auto", "cpu", "cuda", "mps"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", metavar="MODEL", help="Hub id, model folder or .gguf file (default: $KVCLI_MODEL, else the embedded SmolLM2-135M-Instruct; for ask: the cache's model).")]
+RevisionOpt = Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision (branch, tag or commit).")]
+DeviceOpt = Annotated[Device, typer.Option(help="auto: CUDA or MPS when present, else CPU.")]
+DtypeOpt = Annotated[Dtype, typer.Option(help="Compute dtype (auto: float32 on CPU, the model's own on an accelerator).")]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Run the model repository's own Python code (only for models you trust).")]
+FramingOpt = Annotated[Literal["auto", "chat", "plain"], typer.Option(help="auto: the chat template if the model has one, else plain.")]
+SystemOpt = Annotated[Optional[str], typer.Option(metavar="TEXT", help="System text placed before the document.")]
+EncodingOpt = Annotated[str, typer.Option(metavar="NAME", help="Text encoding of the documents (any Python codec: utf-8, latin-1, utf-16, ...).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
+ServerOpt = Annotated[Optional[bool], typer.Option("--server/--no-server", help="Require a running `kvcli serve` / never use one (default: use one if it answers).", show_default=False)]
+SocketOpt = Annotated[Optional[Path], typer.Option("--socket", metavar="PATH", help="The server's socket (default: $KVCLI_SOCKET, else $KVCLI_HOME/kvcli.sock).", show_default=False)]
+CacheDtypeOpt = Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(help="Compute dtype (default: the cache's).")]
+FollowUpOpt = Annotated[Optional[Path], typer.Option("--follow-up", metavar="FILE", help="Continue the conversation of the last line of this `ask --json` output ('-' for stdin).", show_default=False)]
+# sampling options that ask and chat spell alike
+TemperatureOpt = Annotated[float, typer.Option(min=0.0, metavar="T", help="0 for greedy (default).")]
+TopPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, metavar="P", help="Nucleus sampling threshold (with --temperature).")]
+SeedOpt = Annotated[Optional[int], typer.Option(metavar="S", help="Seed for reproducible sampling.")]
+ConvertDtypeOpt = Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")]

@@ -1,0 +1,117 @@
+"""kvcli serve and ps: the warm server on a unix socket (and HTTP), and what it holds (library: kvcli.serve)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import ServerError, UsageError
+from ..output import Output, human_bytes
+from .app import command
+from .common import human_age
+from .options import JsonOpt, QuietOpt, SocketOpt
+
+
+@command
+def serve(
+    socket: SocketOpt = None,
+    max_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Most memory for models and caches, e.g. 8G or 512M (default: half the RAM).", show_default=False)] = None,
+    idle_timeout: Annotated[Optional[str], typer.Option(metavar="DURATION", help="Exit after this long unused, e.g. 30s, 10m, 2h (default: never).", show_default=False)] = None,
+    detach: Annotated[bool, typer.Option("--detach", "-d", help="Run in the background: print its pid once it answers; log to $KVCLI_HOME/serve.log.")] = False,
+    stop: Annotated[bool, typer.Option("--stop", help="Stop the server running on the socket.")] = False,
+    http_at: Annotated[Optional[str], typer.Option("--http", metavar="HOST:PORT", help="Also serve the caches under --docs as OpenAI-compatible models at HOST:PORT (needs kvcli[serve]).", show_default=False)] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", envvar="KVCLI_API_KEY", help="Bearer token HTTP clients must send; required unless HOST is loopback ($KVCLI_API_KEY).", show_default=False)] = None,
+    docs: Annotated[list[Path], typer.Option("--docs", metavar="DIR", show_default=False, help="Folder whose caches --http offers as models (repeatable; default: the current folder).")] = [],  # noqa: B006
+    batch_size: Annotated[int, typer.Option(min=1, metavar="N", help="Questions on one document decoded together, from any clients (1: one at a time).")] = 8,
+    quiet: QuietOpt = False,
+) -> int:
+    """Keep models and restored caches warm on a unix socket; ask and prefill use it when it runs."""
+    from ..serve import client, server as sv, units
+
+    out = Output(quiet=quiet)
+    path = client.socket_path(socket)
+    size = units.parse_size(max_memory) if max_memory else None
+    idle = units.parse_duration(idle_timeout) if idle_timeout else None
+    if http_at:
+        from ..serve import http
+
+        host, port = http.parse_address(http_at)
+        http.check_bind(host, api_key)
+        docs = [d.resolve() for d in (docs or [Path(".")])]
+        for d in docs:
+            if not d.is_dir():
+                raise UsageError(f"--docs {d}: not a folder")
+    elif docs:
+        raise UsageError("--docs goes with --http HOST:PORT")
+    if stop:
+        pid = sv.stop_server(path)
+        if pid is None:
+            raise ServerError(f"{path}: no kvcli server answers here")
+        out.note(f"stopped the server on {path} (pid {pid})")
+        return 0
+    if detach:
+        args = (["--max-memory", max_memory] if max_memory else []) + (["--idle-timeout", idle_timeout] if idle_timeout else [])
+        args += ["--batch-size", str(batch_size)]
+        if http_at:
+            args += ["--http", http_at, *[a for d in docs for a in ("--docs", str(d))]]
+        pid = sv.detach(path, args, env={"KVCLI_API_KEY": api_key} if api_key else None)  # the key never on a command line
+        out.write(f"{pid}\n")
+        out.note(f"serving on {path} (log: {sv.log_path()})")
+        return 0
+    from ..serve.warm import Warm
+
+    server = sv.Server(path, Warm(size, batch_size=batch_size), idle_timeout=idle, log=out.note)
+    with out.status("starting"):
+        server.start()
+    web = None
+    if http_at:
+        from ..serve.docs import WarmProvider
+
+        web = http.start(host, port, provider=WarmProvider(server.warm, docs, on_use=server.touch), api_key=api_key)
+        out.note(f"OpenAI-compatible endpoint on {web.base_url} for the caches in {', '.join(map(str, docs))}")
+    try:
+        server.serve_forever()
+    finally:
+        if web is not None:
+            web.stop()
+    return 0
+
+
+@command
+def ps(
+    socket: SocketOpt = None,
+    json_out: JsonOpt = False,
+) -> int:
+    """Show what the running server holds: models, caches, bytes, last use, answers served."""
+    import time
+
+    from rich.table import Table
+    from rich.text import Text
+
+    from ..serve import client
+
+    out = Output()
+    path = client.socket_path(socket)
+    reply = client.call(path, "status")
+    if reply is None:
+        raise ServerError(f"{path}: no kvcli server answers here", hint="start one with 'kvcli serve --detach'")
+    s = reply.get("status") or {}
+    if json_out:
+        out.json_doc(s)
+        return 0
+    now = time.time()
+    out.table(Text(f"pid {s['pid']} on {s['socket']}, up {human_age(s['uptime_s'])}, {human_bytes(s['bytes'])} of {human_bytes(s['max_memory'])} held, "
+             f"{s['done']} requests answered, {s['active']} active, {s['cancelled']} cancelled"))
+    models = Table("model", "dtype", "device", "memory", "last used", "answers", title="models")
+    for m in s["models"]:
+        models.add_row(Text(str(m["name"])), m["dtype"], m["device"], human_bytes(m["bytes"]), human_age(now - m["last_used"]) + " ago", str(m["served"]))
+    caches = Table("cache", "tokens", "model", "memory", "last used", "answers", "most together", title="caches")
+    for c in s["caches"]:
+        b = c.get("batch")  # questions one decoding step ran at most, of the batch's width
+        caches.add_row(Text(c["path"]), f"{c['num_tokens']:,}", Text(str(c["model"])), human_bytes(c["bytes"]), human_age(now - c["last_used"]) + " ago",
+                       str(c["served"]), f"{b['peak_rows']} of {b['width']}" if b else "1")
+    out.table(models)
+    out.table(caches)
+    return 0

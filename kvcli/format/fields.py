@@ -1,0 +1,71 @@
+"""Checkers of single manifest fields (type, range, pattern, length, shape), each raising CacheCorruptError
+naming the cache and the field. manifest.py validates whole manifests with them."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..errors import CacheCorruptError
+
+MAX_DIM = 1 << 24
+MAX_TEXT = 4096  # names, versions, hashes, paths: anything longer is not something kvcli wrote
+
+# C0/C1 control characters (ESC starts terminal escape sequences): never in a name kvcli writes or prints.
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def bad(where: str, what: str) -> CacheCorruptError:
+    return CacheCorruptError(f"{where}: {what}")
+
+
+def get_field(obj: dict, key: str, types: type | tuple, where: str, *, optional: bool = False) -> Any:
+    """obj[key] checked for type; `key` may be dotted ("model.dtype") to name the field in messages."""
+    name = key.rpartition(".")[2]
+    if name not in obj:
+        if optional:
+            return None
+        raise bad(where, f"manifest field '{key}' is missing")
+    value = obj[name]
+    if optional and value is None:
+        return None
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise bad(where, f"manifest field '{key}' has the wrong type")
+    if not isinstance(value, types):
+        raise bad(where, f"manifest field '{key}' has the wrong type")
+    return value
+
+
+def int_field(obj: dict, key: str, where: str, lo: int, hi: int, *, optional: bool = False) -> int | None:
+    value = get_field(obj, key, int, where, optional=optional)
+    if value is not None and not lo <= value <= hi:
+        raise bad(where, f"manifest field '{key}' = {value} is out of range")
+    return value
+
+
+def str_field(obj: dict, key: str, where: str, *, optional: bool = False, pattern: re.Pattern | None = None,
+              limit: int | None = MAX_TEXT) -> str | None:
+    value = get_field(obj, key, str, where, optional=optional)
+    if value is None:
+        return None
+    if pattern is not None and not pattern.fullmatch(value):
+        raise bad(where, f"manifest field '{key}' is malformed")
+    if limit is not None and len(value) > limit:
+        raise bad(where, f"manifest field '{key}' is implausibly long")
+    if limit is not None and CONTROL.search(value):
+        raise bad(where, f"manifest field '{key}' holds control characters")
+    return value
+
+
+def shape_field(obj: dict, key: str, where: str) -> tuple[int, ...]:
+    value = get_field(obj, key, list, where)
+    if len(value) != 4 or any(type(v) is not int or not 0 <= v <= MAX_DIM for v in value):
+        raise bad(where, f"manifest field '{key}' is not a 4-d shape")
+    return tuple(value)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
