@@ -1,6 +1,6 @@
 """Talk to a running `kvcli serve`: find its socket, send one request, yield its events. Stdlib only.
 
-cli.py uses this before anything heavy is imported, so a served `kvcli ask` never loads torch.
+The CLI (kvcli/cli/) uses this before anything heavy is imported, so a served `kvcli ask` never loads torch.
 """
 
 from __future__ import annotations
