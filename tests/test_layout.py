@@ -1,0 +1,89 @@
+"""The package's shape: imports point one way (no circles), and every module reads in one sitting."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvcli"
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Modules of kvcli that this one imports (at any depth in the file: lazy imports count too)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out |= {c for c in [target, *(f"{target}.{a.name}" for a in node.names)] if c in mods}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in mods}
+    out.discard(name)
+    return out
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    mods = _modules()
+    graph = {name: {m for m in _imports(name, path, mods) if not name.startswith(m + ".") and m != "kvcli"}
+             for name, path in mods.items()}  # a module importing its own package's __init__ is not a circle
+    assert _cycles(graph) == []
+
+
+def test_no_module_above_the_limit():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"modules above {MAX_LINES} lines: {long}"
+
+
+def test_the_cli_is_a_package_of_small_command_modules():
+    cli = PACKAGE / "cli"
+    assert (cli / "__init__.py").is_file() and not (PACKAGE / "cli.py").exists()
+    assert len(list(cli.glob("*.py"))) >= 8
