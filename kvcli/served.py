@@ -18,9 +18,11 @@ def client_model(model: Optional[str]) -> Optional[str]:
     return model
 
 
-def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: list[Optional[str]], *, answered=None, prefilled=None) -> Optional[int]:
-    """Run ask/prefill on a running server (None when none answers and none is required), rendering its
-    events through the same Output calls as the in-process path, paths spelled as the user gave them."""
+def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: list[Optional[str]], *, render=None,
+        prefilled=None) -> Optional[int]:
+    """Run ask/prefill on a running server (None when none answers and none is required), handing its events
+    to `render` (kvcli/rendering.py: what the in-process path renders its own events with), messages with
+    paths spelled as the user gave them."""
     from .serve import client
 
     where = client.socket_path()
@@ -36,26 +38,36 @@ def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: 
             text = text.replace(absolute, given)
         return text
 
+    render = render or _messages(out)
     with conn:
         for ev in conn.events():
             kind = ev.get("event")
-            if kind == "text":
-                out.write(ev["text"])
-            elif kind == "answer":
-                answered(ev["index"], ev["answer"])
-            elif kind == "prefilled":
-                prefilled(ev["index"], ev["result"])
-            elif kind == "note":
-                out.note(own(ev["message"]))
-            elif kind == "warning":
-                out.warn(own(ev["message"]))
-            elif kind == "error":
-                out.error(own(ev["message"]), ev.get("hint"))
-            elif kind == "done":
+            if kind == "done":
                 return int(ev.get("exit_code", 1))
-            elif kind == "fail":
+            if kind == "fail":
                 raise client.failure(ev, own)
+            if kind == "prefilled":
+                prefilled(ev["index"], ev["result"])
+                continue
+            if isinstance(ev.get("message"), str):
+                ev = {**ev, "message": own(ev["message"])}
+            render(ev)
     raise ServerError(f"{where}: the server stopped before the answer was complete")
+
+
+def _messages(out: Output):
+    """A renderer for the events of commands without answers (prefill): notes, warnings, errors."""
+
+    def render(ev: dict) -> None:
+        kind = ev.get("event")
+        if kind == "note":
+            out.note(ev["message"])
+        elif kind == "warning":
+            out.warn(ev["message"])
+        elif kind == "error":
+            out.error(ev["message"], ev.get("hint"))
+
+    return render
 
 
 def answers(require: Optional[bool]) -> bool:
@@ -72,15 +84,12 @@ def answers(require: Optional[bool]) -> bool:
 
 def chat_turn(out: Output, fields: dict, question: str, cache: str, model: Optional[str], json_out: bool) -> tuple[int, dict]:
     """One turn of a served chat: (exit code, the fields of the next turn, with the conversation so far as history)."""
-    got: list[dict] = []
+    from .rendering import AskRenderer
 
-    def answered(_i: int, a: dict) -> None:
-        got.append(a)
-        out.json_line({**a, "cache": cache, "served": True}) if json_out else out.write("\n")
-
-    code = run(out, True, "ask", {**fields, "questions": [question]}, [cache, model], answered=answered)
-    if code or not got:
+    render = AskRenderer(out, [cache], questions=1, json_out=json_out, served=True)
+    code = run(out, True, "ask", {**fields, "questions": [question]}, [cache, model], render=render)
+    if code or not render.answers:
         return code or 1, fields
-    a = got[0]
+    a = render.answers[0]
     history = [[h["question"], h["answer"]] for h in a.get("history", [])] + [[a["question"], a["answer"]]]
     return 0, {k: v for k, v in fields.items() if not k.startswith("follow_up")} | {"history": history}

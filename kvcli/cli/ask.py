@@ -9,8 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 from .. import served
-from ..errors import CHECK_DIFFERS_EXIT, KvcliError, UsageError
+from ..errors import UsageError
 from ..output import Output
+from ..rendering import AskRenderer
 from .app import command
 from .common import gather_questions, local_cache, read_answer_json, shown
 from .options import (CacheDtypeOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, SeedOpt, ServerOpt,
@@ -71,84 +72,29 @@ def ask(
         if earlier is not None:
             fields.update(follow_up=earlier, follow_up_name=str(follow_up))
 
-        def answered(i: int, a: dict) -> None:
-            if json_out:
-                out.json_line({**a, "cache": str(cache[i]), "served": True})
-            else:
-                out.write("\0" if null else "\n")
-
-        code = served.run(out, server, "ask", fields, [*(str(Path(c)) for c in cache), model], answered=answered)
+        render = AskRenderer(out, [str(c) for c in cache], questions=len(qs), json_out=json_out, null=null, served=True)
+        code = served.run(out, server, "ask", fields, [*(str(Path(c)) for c in cache), model], render=render)
         if code is not None:
             return code
+    from contextlib import contextmanager
+
+    from ..asking import ask_events
     from ..engine import answer as an, conversation
 
     opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop),
                                 repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
-    several = len(cache) * len(qs) > 1 and not json_out and not null
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
-    first_error: Optional[KvcliError] = None
-    differs = False
-    for path in cache:
-        try:
-            local = local_cache(path, out)
-            with out.status(f"loading {path}"):
-                session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
-            for warning in session.warnings:
-                out.warn(warning)
-        except KvcliError as exc:
-            if len(cache) == 1:
-                raise
-            out.error(exc, exc.hint)
-            first_error = first_error or exc
-            continue
-        history = conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier is not None else []
-        for q in qs:
-            room = session.answer_room(q, history)
-            if room is not None and 0 < room < max_new_tokens:
-                out.warn(f"{shown(path)}: only {room} positions are left after this question; the answer stops at {room} tokens, "
-                         f"not --max-new-tokens {max_new_tokens}")
 
-        def begin(q: str) -> None:
-            out.check_stdout()  # a reader that left (`| head -1`) cancels the questions still to come
-            if several:  # on a terminal only: which cache and question the next answer belongs to
-                out.heading(f"{shown(path)}: {q}" if len(cache) > 1 else q)
+    @contextmanager
+    def open_session(path: str):
+        local = local_cache(path, out)
+        with out.status(f"loading {path}"):
+            session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
+        yield session
 
-        def finish(a) -> None:
-            nonlocal differs
-            a.cache = shown(path)
-            if json_out:
-                out.json_line({**a.to_json(), "served": False})
-            else:
-                out.write("\0" if null else "\n")
-            if a.check is not None:
-                differs = differs or not a.check.identical
-                if not json_out:
-                    out.note(f"kvcli: check: {shown(path)}: {a.check.describe()}")
-            out.summary(_timing(a))
+    def history_for(session) -> list:
+        return conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier is not None else []
 
-        if batch_size > 1 and len(qs) > 1 and not history:
-            _ask_together(session, qs, opts, batch_size, begin, finish, None if json_out else out.write, check)
-            continue
-        for q in qs:
-            begin(q)
-            finish(session.ask(q, opts, on_text=None if json_out else out.write, check=check, history=history))
-    if first_error:
-        return first_error.exit_code
-    return CHECK_DIFFERS_EXIT if differs else 0
-
-
-def _ask_together(session, qs: list[str], opts, batch_size: int, begin, finish, write, check: bool) -> None:
-    """Session.ask_many, rendered in question order: the first unfinished question's answer streams live,
-    later ones are held until it completes (each JSON line, as before, when its answer is complete)."""
-    from ..engine.questions import in_order
-
-    text, answered = in_order(len(qs), lambda i: begin(qs[i]), lambda _i, a: finish(a), write)
-    session.ask_many(qs, opts, batch_size=batch_size, on_text=text, on_answer=answered, check=check)
-
-
-def _timing(a) -> str:
-    n = len(a.answer_token_ids)
-    rate = (n - 1) / (a.total_s - a.ttft_s) if n > 1 and a.ttft_s is not None and a.total_s > a.ttft_s else None
-    ttft = f", first token {a.ttft_s:.2f} s" if a.ttft_s is not None else ""
-    line = f"{n} tokens in {a.total_s:.1f} s{ttft}" + (f", {rate:.1f} tokens/s" if rate else "")
-    return line + (" (stopped at --max-new-tokens)" if a.finish_reason == "length" else "")
+    render = AskRenderer(out, [shown(c) for c in cache], questions=len(qs), json_out=json_out, null=null)
+    return ask_events(open_session, cache, qs, opts, emit=render, history_for=history_for, batch_size=batch_size, check=check,
+                      stream=not json_out, shown=shown)

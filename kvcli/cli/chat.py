@@ -69,8 +69,11 @@ def chat(
     for warning in session.warnings:
         out.warn(warning)
     talk = conversation.Chat(session, conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier else ())
+    from ..rendering import AskRenderer
+
+    render = AskRenderer(out, [shown(cache)], questions=1, json_out=json_out)  # as a served chat renders its answers
     while (line := out.read_line("> ")) is not None:
         if line.strip():
             a = talk.ask(line, opts, on_text=None if json_out else out.write)
-            out.json_line({**a.to_json(), "cache": shown(cache), "served": False}) if json_out else out.write("\n")
+            render({"event": "answer", "index": 0, "answer": a.to_json()})
     return 0

@@ -121,14 +121,12 @@ def _history(req: dict[str, Any], session: Any) -> list[tuple[str, str]]:
 
 
 def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
-    """Answer every question from every cache, as cli.ask does in-process; returns the exit code.
-    The questions join the document's running batch with everyone else's (serve/warm.py)."""
-    from ..engine.questions import in_order
+    """Answer every question from every cache with the events the in-process `kvcli ask` renders (kvcli/asking.py);
+    returns the exit code. The questions join their model's engine with everyone else's."""
+    from ..asking import ask_events
 
     caches, questions = _strings(req, "caches"), _strings(req, "questions")
     opts = _options(req)
-    stream = bool(req.get("stream", True))
-
     batch_size = req.get("batch_size")
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise protocol.ProtocolError("batch_size must be a whole number of at least 1")
@@ -136,35 +134,16 @@ def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     def note(message: str) -> None:
         conn.send(protocol.event("note", message=message))
 
-    def text(t: str) -> None:
-        conn.send(protocol.event("text", text=t))
-
-    first_error: KvcliError | None = None
-    for index, path in enumerate(caches):
-        held = warm.session(path, model=req.get("model"), revision=req.get("revision"), device=req.get("device") or "auto",
+    def open_session(path: str):
+        return warm.session(path, model=req.get("model"), revision=req.get("revision"), device=req.get("device") or "auto",
                             dtype=req.get("dtype"), trust_remote_code=bool(req.get("trust_remote_code")),
                             convert_dtype=bool(req.get("convert_dtype")), progress=note)
-        try:
-            lease = held.__enter__()
-        except KvcliError as exc:
-            if len(caches) == 1:
-                raise
-            conn.send(protocol.event("error", message=str(exc), hint=exc.hint, exit_code=exc.exit_code))
-            first_error = first_error or exc
-            continue
-        try:
-            for warning in lease.warnings:
-                conn.send(protocol.event("warning", message=warning))
-            history = _history(req, lease.session)
-            # answers in question order, the first unfinished one streaming, as the in-process `ask` renders them
-            on_text, on_answer = in_order(len(questions), lambda _i: None,
-                                          lambda _i, a: conn.send(protocol.event("answer", index=index, answer=a.to_json())),
-                                          text if stream else None)
-            lease.ask_many(questions, opts, on_text=on_text, on_answer=on_answer, cancelled=conn.cancelled,
-                           history=history, batch_size=batch_size)
-        finally:
-            held.__exit__(None, None, None)
-    return first_error.exit_code if first_error else 0
+
+    def emit(ev: dict[str, Any]) -> None:
+        conn.send(protocol.event(ev.pop("event"), **ev))
+
+    return ask_events(open_session, caches, questions, opts, emit=emit, history_for=lambda lease: _history(req, lease.session),
+                      batch_size=batch_size, stream=bool(req.get("stream", True)), cancelled=conn.cancelled)
 
 
 def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:

@@ -63,6 +63,9 @@ class Lease:
     def warnings(self) -> list[str]:
         return self.session.warnings
 
+    def answer_room(self, question: str, history: Any = ()) -> int | None:
+        return self.session.answer_room(question, history)
+
     @property
     def concurrency(self) -> int:
         """Questions that decode together on this document (1: one at a time)."""
@@ -79,7 +82,7 @@ class Lease:
 
     def ask_many(self, questions: list[str], options: Any = None, *, on_text: Callable[[int, str], None] | None = None,
                  on_answer: Callable[[int, Any], None] | None = None, cancelled: Callable[[], bool] | None = None,
-                 history: Any = (), batch_size: int | None = None) -> list[Any]:
+                 history: Any = (), batch_size: int | None = None, check: bool = False) -> list[Any]:
         """Several questions, decoded together with whatever else asks this model (at most batch_size of
         these at once); callbacks run in this thread: on_text(i, text), on_answer(i, answer) as each completes."""
         from ..engine.answer import GenerationOptions
@@ -91,7 +94,7 @@ class Lease:
                 on_answer(i, a)
 
         try:
-            return self.session.ask_many(questions, options or GenerationOptions(), batch_size=batch_size,
+            return self.session.ask_many(questions, options or GenerationOptions(), batch_size=batch_size, check=check,
                                          on_text=on_text, on_answer=answered, cancelled=cancelled, history=history)
         except (Left, Stopped):
             raise Cancelled() from None

@@ -1,0 +1,81 @@
+"""One `ask` request -> a stream of events, the same whichever front end runs it.
+
+The in-process CLI and the socket server both run `ask_events`; the CLI renders the events it emits
+(kvcli/rendering.py) exactly as it renders the events a server sends, so a served ask prints what an
+in-process one prints: warnings, per-cache errors, streamed text, answers, checks.
+
+Events (dicts, JSON-ready): warning {message}; error {message, hint, exit_code} (one cache of several
+failed); begin {index, question, cache}; text {text}; answer {index, answer}; check {index, message}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from .errors import CHECK_DIFFERS_EXIT, KvcliError
+
+Emit = Callable[[dict[str, Any]], None]
+Opener = Callable[[str], AbstractContextManager]  # cache path -> a context lending its Session
+
+
+def room_warning(session: Any, path: str, question: str, history: Sequence[Any], max_new_tokens: int) -> str | None:
+    """The warning for an answer that cannot reach --max-new-tokens within the model's positions."""
+    room = session.answer_room(question, history)
+    if room is not None and 0 < room < max_new_tokens:
+        return (f"{path}: only {room} positions are left after this question; the answer stops at {room} tokens, "
+                f"not --max-new-tokens {max_new_tokens}")
+    return None
+
+
+def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[str], options: Any, *, emit: Emit,
+               history_for: Callable[[Any], Sequence[Any]] = lambda _s: (), batch_size: int | None = None,
+               check: bool = False, stream: bool = True, cancelled: Callable[[], bool] | None = None,
+               shown: Callable[[str], str] = str) -> int:
+    """Answer every question from every cache, emitting events; returns the exit code.
+
+    One cache that fails is an error event and the next cache goes on (the only cache failing raises);
+    answers come in question order, the first unfinished one streaming (text events) while later ones,
+    decoded in the same batch, are held until it completes. shown(path): a path as messages print it."""
+    from .engine.questions import in_order
+
+    first_error: KvcliError | None = None
+    differs = False
+    for index, path in enumerate(caches):
+        held = open_session(path)
+        try:
+            session = held.__enter__()
+        except KvcliError as exc:
+            if len(caches) == 1:
+                raise
+            emit({"event": "error", "message": str(exc), "hint": exc.hint, "exit_code": exc.exit_code})
+            first_error = first_error or exc
+            continue
+        try:
+            for warning in session.warnings:
+                emit({"event": "warning", "message": warning})
+            history = history_for(session)
+            for q in questions:
+                warning = room_warning(session, shown(path), q, history, options.max_new_tokens)
+                if warning:
+                    emit({"event": "warning", "message": warning})
+
+            def finish(i: int, a: Any, index: int = index, path: str = path) -> None:
+                nonlocal differs
+                emit({"event": "answer", "index": index, "answer": a.to_json()})
+                if a.check is not None:
+                    differs = differs or not a.check.identical
+                    emit({"event": "check", "index": index, "message": f"kvcli: check: {shown(path)}: {a.check.describe()}"})
+
+            on_text, on_answer = in_order(
+                len(questions), lambda i, index=index, path=path: emit({"event": "begin", "index": index, "question": questions[i],
+                                                                        "cache": path}),
+                finish, (lambda t: emit({"event": "text", "text": t})) if stream else None)
+            session.ask_many(list(questions), options, batch_size=batch_size, on_text=on_text, on_answer=on_answer,
+                             check=check, history=history, cancelled=cancelled)
+        finally:
+            held.__exit__(None, None, None)
+    if first_error:
+        return first_error.exit_code
+    return CHECK_DIFFERS_EXIT if differs else 0
