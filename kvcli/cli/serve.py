@@ -104,9 +104,10 @@ def ps(
     now = time.time()
     out.table(Text(f"pid {s['pid']} on {s['socket']}, up {human_age(s['uptime_s'])}, {human_bytes(s['bytes'])} of {human_bytes(s['max_memory'])} held, "
              f"{s['done']} requests answered, {s['active']} active, {s['cancelled']} cancelled"))
-    models = Table("model", "dtype", "device", "memory", "last used", "answers", title="models")
+    models = Table("model", "dtype", "device", "memory", "last used", "answers", "decoding", title="models")
     for m in s["models"]:
-        models.add_row(Text(str(m["name"])), m["dtype"], m["device"], human_bytes(m["bytes"]), human_age(now - m["last_used"]) + " ago", str(m["served"]))
+        models.add_row(Text(str(m["name"])), m["dtype"], m["device"], human_bytes(m["bytes"]), human_age(now - m["last_used"]) + " ago",
+                       str(m["served"]), m.get("decoding") or "idle")
     caches = Table("cache", "tokens", "model", "memory", "last used", "answers", "most together", title="caches")
     for c in s["caches"]:
         b = c.get("batch")  # questions one decoding step ran at most, of the batch's width

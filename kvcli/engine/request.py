@@ -28,6 +28,7 @@ class Answer:
     cache: str = ""
     check: Check | None = None  # with ask(check=True): this answer measured against a full recompute
     history: list[dict[str, str]] = field(default_factory=list)  # earlier {question, answer} turns, oldest first
+    decoding: str = ""  # how the model's engine ran it: "batched" (rows share forward passes) or "one at a time"
 
     def to_json(self) -> dict[str, Any]:
         """JSON of the answer; `check` appears only when measured, `history` only for a follow-up (so one

@@ -130,6 +130,7 @@ class Engine:
                         on_text(i, value)
                 elif kind == "done":
                     answers[i] = mine.pop(i).answer(session, start, self.turn)
+                    answers[i].decoding = self.mode
                     if on_answer:
                         on_answer(i, answers[i])
                 else:  # "error": the step failed for every row in it, or the engine closed
