@@ -126,8 +126,13 @@ def kernel_name(implementation: str | None) -> str:
 
 
 def batchable(model: Any) -> bool:
-    """Whether the model attends through kvcli's functions, which can run many questions at once."""
-    return getattr(model.config, "_attn_implementation", None) in NAMES
+    """Whether the model's rows may share one batch.Decoder: it attends through kvcli's functions and the
+    probe measured its batched and single rows equal to its plain forward (engine/probe.py, once per model)."""
+    if getattr(model.config, "_attn_implementation", None) not in NAMES:
+        return False
+    from .probe import verdict
+
+    return verdict(model).ok
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
@@ -140,6 +145,10 @@ def shared_prefix_attention(module, query, key, value, attention_mask, *, scalin
     import torch
 
     layer = _SHARED.get().layers[module.layer_idx]
+    if key.data_ptr() != layer.keys.data_ptr() or value.data_ptr() != layer.values.data_ptr():
+        # the layer changed its keys/values after the cache update (diffllama splits its values): the document's
+        # copy read below would not be what the model attends to
+        raise RuntimeError(f"{type(module).__name__} attends to other keys/values than its cache holds")
     step = layer.step  # batch.Step
     a, heads, q, dim = query.shape
     kv_heads = layer.prefix_keys.shape[1]

@@ -59,6 +59,13 @@ class LoadedModel:
     def max_positions(self) -> int | None:
         return self.fingerprint.get("max_positions")
 
+    @property
+    def batching(self):
+        """probe.Batching: whether this model's rows may share one batch.Decoder (measured once, kept on the model)."""
+        from .probe import verdict
+
+        return verdict(self.model)
+
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -351,7 +358,9 @@ def load(
     attention.select(lm)
     if source["kind"] == "hub":
         source["revision"] = getattr(lm.config, "_commit_hash", None) or source.get("revision")
-    return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fingerprint(lm, tok))
+    loaded = LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fingerprint(lm, tok))
+    loaded.batching  # probed now: whether its rows may share one batch (engine/probe.py)
+    return loaded
 
 
 def from_objects(model: Any, tokenizer: Any, *, name: str = "in-memory") -> LoadedModel:
@@ -364,7 +373,10 @@ def from_objects(model: Any, tokenizer: Any, *, name: str = "in-memory") -> Load
     layers.plan(model.config)
     model.eval()
     attention.select(model)
-    return LoadedModel(model=model, tokenizer=tokenizer, source={"kind": "object", "name": name}, fingerprint=fingerprint(model, tokenizer))
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, source={"kind": "object", "name": name},
+                         fingerprint=fingerprint(model, tokenizer))
+    loaded.batching  # probed now: whether its rows may share one batch (engine/probe.py)
+    return loaded
 
 
 def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
