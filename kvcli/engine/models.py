@@ -61,7 +61,8 @@ class LoadedModel:
 
     @property
     def batching(self):
-        """probe.Batching: whether this model's rows may share one batch.Decoder (measured once, kept on the model)."""
+        """probe.Batching: whether this model's rows may share one batch.Decoder, measured on first use (about 7
+        forward passes of a few tokens) and kept on the model; attention.batchable() reads the same verdict."""
         from .probe import verdict
 
         return verdict(self.model)
@@ -358,9 +359,7 @@ def load(
     attention.select(lm)
     if source["kind"] == "hub":
         source["revision"] = getattr(lm.config, "_commit_hash", None) or source.get("revision")
-    loaded = LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fingerprint(lm, tok))
-    loaded.batching  # probed now: whether its rows may share one batch (engine/probe.py)
-    return loaded
+    return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fingerprint(lm, tok))
 
 
 def from_objects(model: Any, tokenizer: Any, *, name: str = "in-memory") -> LoadedModel:
@@ -373,10 +372,7 @@ def from_objects(model: Any, tokenizer: Any, *, name: str = "in-memory") -> Load
     layers.plan(model.config)
     model.eval()
     attention.select(model)
-    loaded = LoadedModel(model=model, tokenizer=tokenizer, source={"kind": "object", "name": name},
-                         fingerprint=fingerprint(model, tokenizer))
-    loaded.batching  # probed now: whether its rows may share one batch (engine/probe.py)
-    return loaded
+    return LoadedModel(model=model, tokenizer=tokenizer, source={"kind": "object", "name": name}, fingerprint=fingerprint(model, tokenizer))
 
 
 def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:

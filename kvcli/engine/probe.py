@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 DOCUMENT = 40  # document tokens: longer than the tiny test models' windows, short enough to cost little
-# (question length, answer tokens) of the batched rows (two rows wide: the third joins a freed slot) and of a single row
-BATCHED = ((5, 3), (2, 2), (4, 2))
-SINGLE = ((3, 2),)
+# (question length, answer tokens) of the batched rows, two wide: padded join of the first two, the second leaves
+# at once and the third joins its slot, then both decode at different slots. The single row repeats the first.
+BATCHED = ((5, 2), (2, 1), (4, 2))
 # largest logit difference allowed, relative to max(1, largest |logit|): float32 rounding of the cascade is ~1e-6;
 # a row that misses the document, another row's tokens or a position differs by whole units
 RTOL = {"float64": 1e-7, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
@@ -49,13 +49,20 @@ def _vocab(model: Any) -> int:
     return int(model.get_input_embeddings().num_embeddings)
 
 
-def _reference(model: Any, doc: list[int], row: Any) -> Any:
-    """Logits [answer, vocab] of every answer step from one forward over the whole prompt and answer, no cache."""
+def _reference(model: Any, doc: list[int], rows: list[Any]) -> list[Any]:
+    """Logits [answer, vocab] of every row's answer steps from one plain forward, no cache: each row's whole
+    prompt and answer, right-padded (a causal model never lets a real token see the pads after it)."""
     import torch
 
-    ids = doc + row.appended + row.answer[:-1]
-    out = model(input_ids=torch.tensor([ids], device=model.device), use_cache=False)
-    return out.logits[0, -len(row.answer):].float()
+    seqs = [doc + r.appended + r.answer[:-1] for r in rows]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), doc[0], dtype=torch.long, device=model.device)
+    mask = torch.zeros_like(ids)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = torch.tensor(seq, device=model.device)
+        mask[i, : len(seq)] = 1
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+    return [logits[i, len(seq) - len(r.answer) : len(seq)] for i, (seq, r) in enumerate(zip(seqs, rows))]
 
 
 def _measure(model: Any) -> tuple[float, float]:
@@ -72,24 +79,28 @@ def _measure(model: Any) -> tuple[float, float]:
         doc_cache = DynamicCache(config=model.config)
         model(input_ids=torch.tensor([doc], device=model.device), cache=doc_cache, use_cache=True)
     states = layers.read(doc_cache)
+
+    def row(i: int, q: int, n: int) -> Any:
+        appended = _ids(vocab, q, 1 + i)
+        return batch.Row(index=i, prompt=doc + appended, appended=appended, max_new=n, logits=[],
+                         choose=lambda _ids, logits: int(torch.argmax(logits)), on_token=lambda _t: False)
+
+    rows = [row(i, q, n) for i, (q, n) in enumerate(BATCHED)]
+    batch.decode_rows(model, states, rows, batch_size=2, eos=set(), pad_id=doc[0])
+    single = row(0, *BATCHED[0])
+    batch.decode_rows(model, states, [single], batch_size=1, eos=set(), pad_id=doc[0])
+    for r in rows + [single]:
+        if len(r.answer) != r.max_new:
+            raise RuntimeError(f"a row gave {len(r.answer)} of {r.max_new} tokens")
     worst = ratio = 0.0
-    for shapes, width in ((BATCHED, 2), (SINGLE, 1)):
-        rows = []
-        for i, (q, n) in enumerate(shapes):
-            appended = _ids(vocab, q, 1 + i + 10 * width)
-            rows.append(batch.Row(index=i, prompt=doc + appended, appended=appended, max_new=n,
-                                  choose=lambda _ids, logits: int(torch.argmax(logits)), on_token=lambda _t: False,
-                                  logits=[]))
-        batch.decode_rows(model, states, rows, batch_size=width, eos=set(), pad_id=doc[0])
-        with torch.inference_mode():
-            for r in rows:
-                if len(r.answer) != r.max_new:
-                    raise RuntimeError(f"a row gave {len(r.answer)} of {r.max_new} tokens")
-                for got, want in zip(r.logits, _reference(model, doc, r)):
-                    diff = float((got.float() - want).abs().max())
-                    if diff != diff:  # NaN
-                        return diff, diff
-                    worst, ratio = max(worst, diff), max(ratio, diff / max(1.0, float(want.abs().max())))
+    with torch.inference_mode():
+        refs = _reference(model, doc, rows)
+    for r, ref in zip(rows + [single], refs + refs[:1]):  # the single row's next token is its own: if it differs, so do its logits
+        for got, want in zip(r.logits, ref):
+            diff = float((got.float() - want).abs().max())
+            if diff != diff:  # NaN
+                return diff, diff
+            worst, ratio = max(worst, diff), max(ratio, diff / max(1.0, float(want.abs().max())))
     return worst, ratio
 
 
