@@ -5,14 +5,21 @@
   document, a prefill chunk), unless a process-wide environment switch is set. kvcli registers its own
   function, which calls torch's sdpa with `enable_gqa=True`, for models that run sdpa on the CPU,
   where it was measured faster and gives the same tokens (tests/test_attention.py).
-- Cascade attention for many questions on one document (engine/batch.py): when a forward pass carries
-  a SharedPrefixCache (`kvcli_cache=`), every kvcli function attends over the shared document and each
-  question's own tokens instead; otherwise each does exactly what the model's own attention did
+- Cascade attention for many questions on one document (engine/batch.py): while a forward pass runs
+  inside `sharing(cache)` with a SharedPrefixCache, every kvcli function attends over the shared document
+  and each question's own tokens instead; otherwise each does exactly what the model's own attention did
   (sdpa, or the modeling file's eager function for models such as gemma2 that need softcapping).
+  The cache travels in a context variable, not as a forward() keyword: some modeling files (StableLM's
+  decoder layer) drop the keywords they are given before calling attention, and their batched rows then
+  attended only to their own suffix buffer, never to the document. Whether a loaded model really batches
+  exactly is measured, not assumed (engine/probe.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 NAME = "kvcli_gqa_sdpa"  # sdpa models on the CPU
@@ -20,6 +27,17 @@ SDPA_NAME = "kvcli_sdpa"  # sdpa models elsewhere
 EAGER_NAME = "kvcli_eager"  # models that attend eagerly (softcapping)
 NAMES = (NAME, SDPA_NAME, EAGER_NAME)
 _registered = False
+_SHARED: ContextVar[Any] = ContextVar("kvcli_shared_prefix_cache", default=None)  # this thread's running batch
+
+
+@contextmanager
+def sharing(cache: Any) -> Iterator[None]:
+    """Within this block (this thread or task only), kvcli's attention functions run the cascade over `cache`."""
+    token = _SHARED.set(cache)
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
 
 
 def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -28,7 +46,7 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if kwargs.get("kvcli_cache") is not None:
+    if _SHARED.get() is not None:
         return shared_prefix_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     groups = getattr(module, "num_key_value_groups", 1)
@@ -45,7 +63,7 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float
 
 def sdpa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """transformers' sdpa, or the cascade attention of a batch."""
-    if kwargs.get("kvcli_cache") is not None:
+    if _SHARED.get() is not None:
         return shared_prefix_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -54,7 +72,7 @@ def sdpa_attention(module, query, key, value, attention_mask, scaling=None, **kw
 
 def eager_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """The modeling file's own eager attention (its public eager_attention_forward), or a batch's cascade."""
-    if kwargs.get("kvcli_cache") is not None:
+    if _SHARED.get() is not None:
         return shared_prefix_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     import importlib
 
@@ -108,8 +126,13 @@ def kernel_name(implementation: str | None) -> str:
 
 
 def batchable(model: Any) -> bool:
-    """Whether the model attends through kvcli's functions, which can run many questions at once."""
-    return getattr(model.config, "_attn_implementation", None) in NAMES
+    """Whether the model's rows may share one batch.Decoder: it attends through kvcli's functions and the
+    probe measured its batched and single rows equal to its plain forward (engine/probe.py, once per model)."""
+    if getattr(model.config, "_attn_implementation", None) not in NAMES:
+        return False
+    from .probe import verdict
+
+    return verdict(model).ok
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
@@ -121,7 +144,11 @@ def shared_prefix_attention(module, query, key, value, attention_mask, *, scalin
     """
     import torch
 
-    layer = kwargs["kvcli_cache"].layers[module.layer_idx]
+    layer = _SHARED.get().layers[module.layer_idx]
+    if key.data_ptr() != layer.keys.data_ptr() or value.data_ptr() != layer.values.data_ptr():
+        # the layer changed its keys/values after the cache update (diffllama splits its values): the document's
+        # copy read below would not be what the model attends to
+        raise RuntimeError(f"{type(module).__name__} attends to other keys/values than its cache holds")
     step = layer.step  # batch.Step
     a, heads, q, dim = query.shape
     kv_heads = layer.prefix_keys.shape[1]

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import attention
 from ..errors import CacheCorruptError
 
 GROW_TOKENS = 64  # suffix rows grow in steps of this many tokens (copying only the suffix)
@@ -197,8 +198,9 @@ class Decoder:
         cache.begin(Step(torch.tensor([r.slot for r in batch], device=self.device), offsets, uniform, q))
         positions = self.cached_length + offsets[:, None] + torch.arange(q, device=self.device)[None, :]  # [active, q]
         extra = {"logits_to_keep": last} if last is not None and self.keeps_logits else {}
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=self.mask, cache=cache, use_cache=True,
-                         kvcli_cache=cache, **extra)
+        with attention.sharing(cache):  # kvcli's attention functions read the shared document from here
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=self.mask, cache=cache, use_cache=True,
+                             **extra)
         if last is not None and not extra:
             return out.logits.gather(1, last[..., None].expand(-1, -1, out.logits.shape[-1]))
         return out.logits  # [active, q or 1, vocab]

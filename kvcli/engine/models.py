@@ -59,6 +59,14 @@ class LoadedModel:
     def max_positions(self) -> int | None:
         return self.fingerprint.get("max_positions")
 
+    @property
+    def batching(self):
+        """probe.Batching: whether this model's rows may share one batch.Decoder, measured on first use (about 7
+        forward passes of a few tokens) and kept on the model; attention.batchable() reads the same verdict."""
+        from .probe import verdict
+
+        return verdict(self.model)
+
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -376,6 +384,9 @@ def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
     cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
+        kv_heads = 1  # falcon-7b: one key/value head whatever num_kv_heads says (gpt_bigcode's config says 1 itself)
     template = getattr(tokenizer, "chat_template", None)
     return {
         "name": getattr(config, "_name_or_path", "") or config.model_type,
@@ -386,7 +397,7 @@ def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None,
         "dtype": dtype_name(model.dtype),
         "num_layers": getattr(text, "num_hidden_layers", None),
-        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "num_kv_heads": kv_heads,
         "head_dim": head_dim,
         "max_positions": getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
     }

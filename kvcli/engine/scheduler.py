@@ -42,11 +42,9 @@ class Engine:
     """Every row decoding on one model, stepped by one thread; turns for other work on the model in between."""
 
     def __init__(self, lm: Any, *, width: int | None = None, batched: bool | None = None):
-        from . import attention
-
         self.lm = lm
         self.width = width  # rows per document (a server's --batch-size); None: as wide as each asker asks
-        self.batched = attention.batchable(lm.model) if batched is None else batched
+        self._batched = batched  # None: decided by the model's probe (engine/probe.py) when the first row arrives
         self.eos = batch.eos_ids(lm.model)
         self.pad_id = batch.padding_id(lm.tokenizer, lm.model)
         self._cv = threading.Condition()
@@ -63,9 +61,26 @@ class Engine:
 
     # ---- what askers call
     @property
+    def batched(self) -> bool:
+        """Whether rows of one document share forward passes: the loaded model's probe said it is exact."""
+        if self._batched is None:
+            from . import attention
+
+            with self.turn():  # the probe runs the model: between two steps, like any other model work
+                if self._batched is None:
+                    self._batched = attention.batchable(self.lm.model)
+        return self._batched
+
+    @batched.setter
+    def batched(self, value: bool) -> None:
+        self._batched = value
+
+    @property
     def mode(self) -> str:
-        """"batched" (rows of one document share each forward pass) or "one at a time"."""
-        return "batched" if self.batched else "one at a time"
+        """"batched" (rows of one document share each forward pass), "one at a time", or "undecided" (no row yet)."""
+        if self._batched is None:
+            return "undecided"
+        return "batched" if self._batched else "one at a time"
 
     @property
     def busy(self) -> bool:

@@ -220,7 +220,7 @@ class Warm:
             row = {**e.info, "bytes": e.nbytes, "loaded_at": e.loaded_at, "last_used": e.last_used, "served": e.served, "in_use": e.users}
             lm = e.obj if e.kind == "model" else e.obj.lm
             engine = getattr(lm, "_engine", None)
-            width = (engine.width or self.batch_size) if engine is not None and engine.batched else 1
+            width = 1 if engine is not None and engine.mode == "one at a time" else (engine.width if engine else None) or self.batch_size
             if e.kind == "model":
                 row["decoding"] = engine.mode if engine is not None else "idle"
                 row["engine"] = {"width": width, "asked": engine.asked, "steps": engine.steps,

@@ -1,0 +1,137 @@
+"""Whether a loaded model decodes exactly through batch.Decoder: measured on the model itself, never by its name.
+
+A modeling file can keep its rows from reaching kvcli's cascade attention in ways no list of names
+foresees (StableLM's decoder layer dropped the keywords that once carried the shared cache; a model
+that attends without transformers' attention interface never calls kvcli at all; ALiBi or other
+biases live in a mask the cascade never reads). So once per loaded model, a short document's states
+go through the Decoder with rows of different question lengths (padded together, then decoding at
+different slots, then a row joining into a freed slot) and with a single row, and every step's logits
+are compared with one plain forward of the model over the same document, question and answer, without
+a cache (the full recompute every answer must equal). A model that fails decodes its rows one at a
+time, each with an ordinary cache and the model's own attention.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+DOCUMENT = 40  # document tokens: longer than the tiny test models' windows, short enough to cost little
+# (question length, answer tokens) of the batched rows, two wide: padded join of the first two, the second leaves
+# at once and the third joins its slot, then both decode at different slots. The single row repeats the first.
+BATCHED = ((5, 2), (2, 1), (4, 2))
+# largest logit difference allowed, relative to max(1, largest |logit|): float32 rounding of the cascade is ~1e-6;
+# a row that misses the document, another row's tokens or a position differs by whole units
+RTOL = {"float64": 1e-7, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
+
+
+@dataclass(frozen=True)
+class Batching:
+    """The verdict: ok (rows may share one Decoder), why, the largest logit difference measured, the probe's cost."""
+
+    ok: bool
+    reason: str
+    max_diff: float
+    ms: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "reason": self.reason, "max_diff": self.max_diff, "ms": round(self.ms, 1)}
+
+
+def _ids(vocab: int, n: int, salt: int) -> list[int]:
+    """n ordinary token ids, the same on every run (no global random state touched)."""
+    low = min(100, vocab // 2)
+    return [low + (salt * 7919 + i * 104729) % (vocab - low) for i in range(n)]
+
+
+def _vocab(model: Any) -> int:
+    return int(model.get_input_embeddings().num_embeddings)
+
+
+def _reference(model: Any, doc: list[int], rows: list[Any]) -> list[Any]:
+    """Logits [answer, vocab] of every row's answer steps from one plain forward, no cache: each row's whole
+    prompt and answer, right-padded (a causal model never lets a real token see the pads after it)."""
+    import torch
+
+    seqs = [doc + r.appended + r.answer[:-1] for r in rows]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), doc[0], dtype=torch.long, device=model.device)
+    mask = torch.zeros_like(ids)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = torch.tensor(seq, device=model.device)
+        mask[i, : len(seq)] = 1
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+    return [logits[i, len(seq) - len(r.answer) : len(seq)] for i, (seq, r) in enumerate(zip(seqs, rows))]
+
+
+def _measure(model: Any) -> tuple[float, float]:
+    """(largest logit difference, largest one relative to max(1, |logits|)) of the Decoder, batched and single,
+    against the plain forward."""
+    import torch
+    from transformers import DynamicCache
+
+    from . import batch, layers
+
+    vocab = _vocab(model)
+    doc = _ids(vocab, DOCUMENT, 0)
+    with torch.inference_mode():
+        doc_cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([doc], device=model.device), cache=doc_cache, use_cache=True)
+    states = layers.read(doc_cache)
+
+    def row(i: int, q: int, n: int) -> Any:
+        appended = _ids(vocab, q, 1 + i)
+        return batch.Row(index=i, prompt=doc + appended, appended=appended, max_new=n, logits=[],
+                         choose=lambda _ids, logits: int(torch.argmax(logits)), on_token=lambda _t: False)
+
+    rows = [row(i, q, n) for i, (q, n) in enumerate(BATCHED)]
+    batch.decode_rows(model, states, rows, batch_size=2, eos=set(), pad_id=doc[0])
+    single = row(0, *BATCHED[0])
+    batch.decode_rows(model, states, [single], batch_size=1, eos=set(), pad_id=doc[0])
+    for r in rows + [single]:
+        if len(r.answer) != r.max_new:
+            raise RuntimeError(f"a row gave {len(r.answer)} of {r.max_new} tokens")
+    worst = ratio = 0.0
+    with torch.inference_mode():
+        refs = _reference(model, doc, rows)
+    for r, ref in zip(rows + [single], refs + refs[:1]):  # the single row's next token is its own: if it differs, so do its logits
+        for got, want in zip(r.logits, ref):
+            diff = float((got.float() - want).abs().max())
+            if diff != diff:  # NaN
+                return diff, diff
+            worst, ratio = max(worst, diff), max(ratio, diff / max(1.0, float(want.abs().max())))
+    return worst, ratio
+
+
+def probe(model: Any) -> Batching:
+    """Run the check on this model as it is now (attention implementation, dtype, device); never raises."""
+    from . import attention
+
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in attention.NAMES:
+        return Batching(False, f"attention '{impl}' is not one of kvcli's functions, which run batched rows", 0.0)
+    t0 = time.perf_counter()
+    try:
+        diff, ratio = _measure(model)
+    except Exception as exc:  # a modeling file the Decoder cannot drive: rows go one at a time
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return Batching(False, f"batched decoding failed ({exc.__class__.__name__}: {why})", float("inf"),
+                        (time.perf_counter() - t0) * 1000)
+    ms = (time.perf_counter() - t0) * 1000
+    dtype = str(model.dtype).removeprefix("torch.")
+    tol = RTOL.get(dtype, 1e-4)
+    if ratio <= tol:
+        return Batching(True, f"batched and single rows equal the plain forward (largest logit difference {diff:.1e})",
+                        diff, ms)
+    return Batching(False, f"batched rows differ from the plain forward (largest logit difference {diff:.3g}, allowed "
+                           f"{tol:.0e} x max(1, |logit|)): rows decode one at a time", diff, ms)
+
+
+def verdict(model: Any) -> Batching:
+    """The probe's verdict for this model, run once per attention implementation, dtype and device (kept on the model)."""
+    key = (getattr(model.config, "_attn_implementation", None), str(model.dtype), str(model.device))
+    memo = model.__dict__.setdefault("_kvcli_batching", {})
+    if key not in memo:
+        memo[key] = probe(model)
+    return memo[key]
