@@ -12,9 +12,9 @@ Python API (heavy modules load on first use, so `import kvcli` stays cheap):
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load": ("kvcli.engine.models", "load"),
-    "from_objects": ("kvcli.engine.models", "from_objects"),
-    "LoadedModel": ("kvcli.engine.models", "LoadedModel"),
+    "load": ("kvcli.engine.model.models", "load"),
+    "from_objects": ("kvcli.engine.model.models", "from_objects"),
+    "LoadedModel": ("kvcli.engine.model.models", "LoadedModel"),
     "read_document": ("kvcli.documents", "read"),
     "Document": ("kvcli.documents", "Document"),
     "prefill": ("kvcli.engine.prefilling", "prefill"),

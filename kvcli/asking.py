@@ -38,7 +38,7 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
     One cache that fails is an error event and the next cache goes on (the only cache failing raises);
     answers come in question order, the first unfinished one streaming (text events) while later ones,
     decoded in the same batch, are held until it completes. shown(path): a path as messages print it."""
-    from .engine.questions import in_order
+    from .engine.decoding.questions import in_order
 
     first_error: KvcliError | None = None
     differs = False

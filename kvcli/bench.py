@@ -34,12 +34,14 @@ from typing import Any
 
 from . import __version__
 
-from .engine import framing as fr, prefilling as pf, restore
+from .engine.prompt import framing as fr
+from .engine import prefilling as pf
+from .engine.cache import restore
 
 from .format import store
 from .documents import Document
 from .errors import UsageError
-from .engine.models import LoadedModel
+from .engine.model.models import LoadedModel
 from .bench_timing import RESTORE_REPEATS, TTFT_QUESTIONS
 
 DEFAULT_SIZES = (1024, 2048, 4096, 8192)
@@ -270,7 +272,7 @@ def _ratios(r: dict[str, Any]) -> dict[str, float]:
 @contextmanager
 def _plain_attention(model):
     """Baselines run transformers' own attention (sdpa or eager), not the kvcli function selected for the model."""
-    from .engine.attention import kernel_name
+    from .engine.model.attention import kernel_name
 
     was = model.config._attn_implementation
     if was.startswith("kvcli"):

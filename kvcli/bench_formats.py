@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from .documents import Document
-from .engine import answer, fidelity, prefilling as pf, restore
-from .engine.models import LoadedModel
+from .engine import answer, fidelity, prefilling as pf
+from .engine.cache import restore
+from .engine.model.models import LoadedModel
 from .format import store
 from .bench_timing import RESTORE_REPEATS, TTFT_QUESTIONS
 

@@ -14,7 +14,9 @@ import tempfile
 from pathlib import Path
 
 from kvcli import bench, bench_formats, documents
-from kvcli.engine import framing as fr, models, prefilling as pf
+from kvcli.engine.prompt import framing as fr
+from kvcli.engine.model import models
+from kvcli.engine import prefilling as pf
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 

@@ -18,8 +18,11 @@ from pathlib import Path
 import torch
 
 from kvcli import bench, documents
-from kvcli.engine import fidelity, framing as fr, layers, models, prefilling as pf
-from kvcli.engine.kvcache import KVCache
+from kvcli.engine import fidelity, prefilling as pf
+from kvcli.engine.prompt import framing as fr
+from kvcli.engine.cache import layers
+from kvcli.engine.model import models
+from kvcli.engine.cache.kvcache import KVCache
 from kvcli.format import codec
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"

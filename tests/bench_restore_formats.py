@@ -13,7 +13,9 @@ import tempfile
 from pathlib import Path
 
 from kvcli import bench, bench_formats as bf, documents
-from kvcli.engine import framing as fr, models, prefilling as pf
+from kvcli.engine.prompt import framing as fr
+from kvcli.engine.model import models
+from kvcli.engine import prefilling as pf
 
 S = Path(__file__).resolve().parent.parent / "samples"
 qs = [l.strip() for l in (S/'questions.txt').read_text().splitlines() if l.strip() and not l.startswith('#')]

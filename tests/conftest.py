@@ -36,7 +36,7 @@ def tokenizer_dir(session_home) -> Path:
     if not (folder / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
 
-        from kvcli.engine.models import default_gguf_path
+        from kvcli.engine.model.models import default_gguf_path
 
         gguf = default_gguf_path()
         tmp = session_home / f".tokenizer-{os.getpid()}"
@@ -116,7 +116,7 @@ def reference_answer(model, prompt_ids: list[int], max_new_tokens: int) -> list[
     Run with transformers' own attention (sdpa or eager), not the kvcli function selected for the model."""
     import torch
 
-    from kvcli.engine.attention import kernel_name
+    from kvcli.engine.model.attention import kernel_name
 
     was = model.config._attn_implementation
     if was.startswith("kvcli"):

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 import kvcli
-from kvcli.engine import layers
-from kvcli.engine.kvcache import KVCache, check_layout
+from kvcli.engine.cache import layers
+from kvcli.engine.cache.kvcache import KVCache, check_layout
 from kvcli.documents import decode
 from kvcli.errors import CacheMismatchError, ModelError
 from kvcli.engine.prefilling import prefill
@@ -251,7 +251,7 @@ def test_wrong_counted_length_is_refused_before_any_forward(arch, name, monkeypa
     """Restore sliding layers with seq_length = stored length (window-1): generate() would treat most of the
     document as new and run it again (silently right on an all-sliding model), a batched step would put the
     question at wrong positions. The engine refuses such states, batched or one at a time, before any forward."""
-    from kvcli.engine.scheduler import engine_for
+    from kvcli.engine.scheduling.scheduler import engine_for
     from kvcli.errors import CacheCorruptError
 
     a = arch(name)
@@ -474,7 +474,7 @@ def test_prefill_refuses_a_hybrid_cache_even_when_the_model_check_is_bypassed(to
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kvcli.engine.models import LoadedModel, fingerprint
+    from kvcli.engine.model.models import LoadedModel, fingerprint
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_refused_config("falcon_h1", len(tokenizer))).eval()

@@ -1,4 +1,4 @@
-"""kvcli's grouped-query attention (engine/attention.py): registered through transformers'
+"""kvcli's grouped-query attention (engine/model/attention.py): registered through transformers'
 AttentionInterface, selected per model (never through the environment), and giving the same logits
 and tokens as transformers' sdpa on every architecture kvcli supports."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import kvcli
-from kvcli.engine import attention
-from kvcli.engine.kvcache import KVCache
+from kvcli.engine.model import attention
+from kvcli.engine.cache.kvcache import KVCache
 from tests.conftest import sample_text
 from tests.test_architectures import ARCHS, build
 

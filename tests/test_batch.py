@@ -1,4 +1,4 @@
-"""Many questions at once (Session.ask_many, engine/batch.py): one decoding step serves every question.
+"""Many questions at once (Session.ask_many, engine/decoding/batch.py): one decoding step serves every question.
 
 Batched answers equal the same questions asked one by one, token for token, on every supported
 architecture (sliding windows, softcapping, absolute positions), with questions of different lengths,
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import kvcli
-from kvcli.engine import attention, batch
+from kvcli.engine.scheduling import probe
+from kvcli.engine.decoding import batch
 from tests.conftest import TokenCounter
 from tests.test_architectures import ARCHS, arch  # noqa: F401  (the module's tiny-model fixture)
 
@@ -32,7 +33,7 @@ def test_batched_answers_equal_single_answers(arch, name):
     session = kvcli.Session(a.lm, a.path)
     opts = kvcli.GenerationOptions(max_new_tokens=MAX_NEW)
     single = [session.ask(q, opts) for q in QUESTIONS]
-    assert attention.batchable(a.model)
+    assert probe.batchable(a.model)
     counter = TokenCounter(a.model)
     try:
         many = session.ask_many(QUESTIONS, opts, batch_size=3)  # 5 questions, 3 rows: two join later

@@ -31,7 +31,7 @@ def test_bench_run_smoke(tiny_lm, tmp_path):
         for value in r["ratios"].values():
             assert isinstance(value, float) and not math.isnan(value)
     assert list(tmp_path.iterdir()) == []  # caches and naive files cleaned up
-    from kvcli.engine import attention
+    from kvcli.engine.model import attention
 
     assert tiny_lm.model.config._attn_implementation == attention.NAME  # baselines ran sdpa, then switched back
     from rich.console import Console

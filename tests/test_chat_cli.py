@@ -8,7 +8,7 @@ import pytest
 
 import kvcli
 from kvcli.documents import decode
-from kvcli.engine.conversation import Chat
+from kvcli.engine.prompt.conversation import Chat
 from tests.conftest import reference_answer, sample_text
 from tests.helpers import assert_clean_error, json_lines, run
 

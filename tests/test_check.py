@@ -82,7 +82,7 @@ def test_check_finds_where_a_perturbed_cache_diverges(tiny_lm, api_cache):
     import torch
 
     session = kvcli.Session(tiny_lm, api_cache)
-    from kvcli.engine.kvcache import KVCache
+    from kvcli.engine.cache.kvcache import KVCache
 
     session.cache = KVCache.from_states(_perturbed(session.states))
     a = session.ask(QUESTIONS[0], OPTS, check=True)
@@ -135,7 +135,8 @@ def test_cli_help_says_check_costs_a_recompute():
 def test_cli_check_exits_4_when_an_answer_differs_and_still_prints_it(cli_cache, tiny_model_dir, tmp_path):
     """A cache whose keys/values were replaced (shards rewritten, manifest resealed) answers differently from
     recompute; --check says so on stderr, prints the answers, and exits 4. Without --check: exit 0."""
-    from kvcli.engine import prefilling, restore
+    from kvcli.engine import prefilling
+    from kvcli.engine.cache import restore
     from kvcli.format import store
 
     forged = tmp_path / "forged.kv"

@@ -13,7 +13,7 @@ import zstandard
 
 import kvcli
 from kvcli.format import codec, manifest as mf, store
-from kvcli.engine import restore
+from kvcli.engine.cache import restore
 from kvcli.documents import decode
 from kvcli.errors import CacheCorruptError
 from kvcli.engine.prefilling import prefill

@@ -156,7 +156,7 @@ def test_reader_threads_never_see_a_mix(world, tmp_path):
 @pytest.mark.parametrize("moment", ["before the manifest is opened", "after the manifest is read", "after every shard is opened"])
 def test_replaced_at_each_step_of_opening(world, tmp_path, monkeypatch, moment):
     """Force the replacement (swap in, old one deleted) at one exact step of a reader's open."""
-    from kvcli.engine import restore
+    from kvcli.engine.cache import restore
 
     w = world
     target = tmp_path / "doc.kv"

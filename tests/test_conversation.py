@@ -13,7 +13,7 @@ import pytest
 
 import kvcli
 from kvcli.documents import decode
-from kvcli.engine import conversation as cv, framing as fr
+from kvcli.engine.prompt import conversation as cv, framing as fr
 from kvcli.engine.prefilling import prefill
 from kvcli.errors import ConversationError, ModelError
 from tests.conftest import TokenCounter, reference_answer, sample_text

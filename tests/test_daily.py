@@ -389,7 +389,8 @@ def test_prefill_bar_never_shows_an_unknown_total(tiny_lm, tmp_path):
 
     from rich.console import Console
 
-    from kvcli.engine import framing as fr, prefilling as pf
+    from kvcli.engine.prompt import framing as fr
+    from kvcli.engine import prefilling as pf
     from kvcli.output import Output
 
     calls = []

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 import kvcli
-from kvcli.engine import models
+from kvcli.engine.model import models
 from tests.conftest import SAMPLES, reference_answer, tiny_llama
 from tests.helpers import assert_clean_error, json_lines, run
 

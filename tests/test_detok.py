@@ -1,4 +1,4 @@
-"""Incremental detokenization (engine/detok.py): the pieces handed out add up to the answer decoded whole,
+"""Incremental detokenization (engine/decoding/detok.py): the pieces handed out add up to the answer decoded whole,
 stop strings are found across token boundaries, an incomplete character is held back, and the work per
 token does not grow with the answer."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcli.engine.detok import TextStream
+from kvcli.engine.decoding.detok import TextStream
 
 
 def _stream(tok, ids, stop=()):

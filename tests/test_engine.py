@@ -1,4 +1,4 @@
-"""The model's engine (engine/scheduler.py): every question from every thread, stepped by one loop.
+"""The model's engine (engine/scheduling/scheduler.py): every question from every thread, stepped by one loop.
 
 Each asker gets the answer it would get asking alone; questions arriving together decode together, a
 question arriving mid-answer joins between steps, an asker that leaves takes its rows out at the next
@@ -14,8 +14,8 @@ import time
 import pytest
 
 import kvcli
-from kvcli.engine import batch
-from kvcli.engine.scheduler import Engine, Left, Stopped
+from kvcli.engine.decoding import batch
+from kvcli.engine.scheduling.scheduler import Engine, Left, Stopped
 from kvcli.errors import GenerationError
 from tests.test_architectures import arch  # noqa: F401  (the module's tiny-model fixture)
 
@@ -195,9 +195,9 @@ def test_a_question_too_long_fails_in_the_asker(arch):
 def test_a_prefill_takes_turns_with_a_running_answer(arch, tmp_path):
     """A prefill on the model pauses a streaming answer for one chunk at a time, never for the whole document."""
     from kvcli.documents import decode
-    from kvcli.engine.kvcache import KVCache
+    from kvcli.engine.cache.kvcache import KVCache
     from kvcli.engine.prefilling import prefill
-    from kvcli.engine.scheduler import engine_for
+    from kvcli.engine.scheduling.scheduler import engine_for
     from tests.conftest import sample_text
 
     a = arch("llama")

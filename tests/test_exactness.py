@@ -12,7 +12,7 @@ import pytest
 
 import kvcli
 from kvcli.documents import decode
-from kvcli.engine import framing as fr
+from kvcli.engine.prompt import framing as fr
 from kvcli.engine.prefilling import prefill
 from tests.conftest import reference_answer, sample_text, tiny_llama
 from tests.test_architectures import ARCHS, build

@@ -3,7 +3,7 @@
 Each family is a tiny random-weight model (2-4 layers, hidden 64) whose config keeps what sets the
 real family apart (partial rotary, q/k norms, parallel residuals, multi-query heads, learned or ALiBi
 positions, multipliers, logit scales, sliding windows, NoPE layers, experts), with the real SmolLM2
-tokenizer. For each: the probe's verdict (engine/probe.py) is what EXPECT says; every answer alone
+tokenizer. For each: the probe's verdict (engine/scheduling/probe.py) is what EXPECT says; every answer alone
 equals greedy generate() on the full prompt without a cache; several questions in one ask_many
 equal the same questions asked alone, whichever path the verdict chose; and where the verdict allows
 batching, a single row through batch.Decoder gives the same answer too (the path every question
@@ -17,9 +17,11 @@ import torch
 
 import kvcli
 from kvcli.documents import decode
-from kvcli.engine import attention, batch, probe
+from kvcli.engine.model import attention
+from kvcli.engine.scheduling import probe
+from kvcli.engine.decoding import batch
 from kvcli.engine.prefilling import prefill
-from kvcli.engine.questions import greedy
+from kvcli.engine.decoding.questions import greedy
 from kvcli.errors import ModelError
 from tests.conftest import reference_answer, sample_text
 
@@ -184,10 +186,10 @@ def test_family_exact_batched_and_alone_or_refused(family, name, exactness_repor
         assert lm.exit_code == 1 and expect[1] in str(lm)
         return
     assert not isinstance(lm, ModelError), str(lm)
-    verdict = lm.batching
+    verdict = probe.verdict(lm.model)
     exactness_report.append(f"{name:14s} probe ok={verdict.ok} max_diff={verdict.max_diff:.2e} {verdict.ms:6.1f} ms: {verdict.reason}")
     assert verdict.ok == (expect == "batched"), verdict
-    assert attention.batchable(model) == verdict.ok
+    assert probe.batchable(model) == verdict.ok
     session = kvcli.Session(lm, path)
     alone = [session.ask(q, OPTS) for q in QUESTIONS]
     for a in alone:
@@ -212,12 +214,12 @@ def test_why_stablelm_needed_the_context_variable(family):
     call = inspect.getsource(modeling_stablelm.StableLmDecoderLayer.forward).split("self.self_attn(")[1].split(")")[0]
     assert "**kwargs" not in call  # if transformers fixes this, the context variable is still the one channel
     model, lm, _path = family("stablelm")
-    assert lm.batching.ok and lm.batching.max_diff < 1e-4
+    assert probe.verdict(lm.model).ok and probe.verdict(lm.model).max_diff < 1e-4
 
 
 def test_diffllama_is_refused_batching_with_its_reason(family):
     _model, lm, _path = family("diffllama")
-    assert not lm.batching.ok and "attends to other keys/values than its cache holds" in lm.batching.reason
+    assert not probe.verdict(lm.model).ok and "attends to other keys/values than its cache holds" in probe.verdict(lm.model).reason
 
 
 def test_broken_batched_path_is_caught_by_the_probe_and_answers_alone(tokenizer, tmp_path, monkeypatch):
@@ -232,8 +234,8 @@ def test_broken_batched_path_is_caught_by_the_probe_and_answers_alone(tokenizer,
     monkeypatch.setattr(attention, "shared_prefix_attention", nudged)
     model = build("stablelm", tokenizer)
     lm = kvcli.from_objects(model, tokenizer, name="tiny-broken")
-    assert not lm.batching.ok and not attention.batchable(model)
-    assert lm.batching.max_diff > 1e-3 and "rows decode one at a time" in lm.batching.reason
+    assert not probe.verdict(lm.model).ok and not probe.batchable(model)
+    assert probe.verdict(lm.model).max_diff > 1e-3 and "rows decode one at a time" in probe.verdict(lm.model).reason
     path = tmp_path / "doc.kv"
     prefill(lm, decode(sample_text()[:DOC_CHARS].encode(), "licence.txt"), path, chunk_size=CHUNK)
     session = kvcli.Session(lm, path)
@@ -241,7 +243,7 @@ def test_broken_batched_path_is_caught_by_the_probe_and_answers_alone(tokenizer,
     for m in many:
         assert m.answer_token_ids == reference_answer(model, m.prompt_token_ids, MAX_NEW)
     # the verdict is measured once per model and attention implementation, then kept
-    assert probe.verdict(model) is lm.batching
+    assert probe.verdict(model) is probe.verdict(lm.model)
 
 
 def test_probe_refuses_what_it_cannot_run(tiny_lm):

@@ -721,7 +721,7 @@ def _worker(cfg: dict) -> int:
     import typer
     from click.testing import CliRunner
 
-    import kvcli.engine.models as models
+    import kvcli.engine.model.models as models
     from kvcli.cli import app
 
     command = typer.main.get_command(app)  # built once: typer's runner rebuilds it on every call (20 ms)
@@ -1105,7 +1105,7 @@ def store_decoded(cache: Path) -> int:
 
 def test_ask_refuses_a_cache_longer_than_the_model_before_loading_it(pristine, tiny_model_dir, tmp_path, monkeypatch):
     import kvcli
-    from kvcli.engine import restore
+    from kvcli.engine.cache import restore
     from kvcli.errors import CacheError
 
     long = tmp_path / "long.kv"

@@ -209,7 +209,7 @@ def test_only_loopback_without_a_key():
 
 
 def test_busy_is_503_and_the_first_request_still_finishes(docs):
-    from kvcli.engine.scheduler import engine_for
+    from kvcli.engine.scheduling.scheduler import engine_for
 
     provider = DocsProvider([docs[0]], batch_size=1)  # one answer decoding per model, none waiting (max_queue=0)
     srv = http.start("127.0.0.1", 0, provider=provider, max_queue=0)
@@ -252,7 +252,7 @@ def test_client_gone_mid_stream_stops_its_generation(server, client, docs):
             if n == 3:
                 break
         stream.close()
-        from kvcli.engine.scheduler import engine_for
+        from kvcli.engine.scheduling.scheduler import engine_for
 
         deadline = time.monotonic() + 30
         while engine_for(session.lm).busy and time.monotonic() < deadline:

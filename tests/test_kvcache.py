@@ -1,4 +1,4 @@
-"""kvcli's cache object (engine/kvcache.py): full-attention layers append into a preallocated buffer,
+"""kvcli's cache object (engine/cache/kvcache.py): full-attention layers append into a preallocated buffer,
 grow in steps, crop and rewind without copying; the restored document's bytes are never written, by
 questions that fit in the room, by questions that force growth, or after a crop; and Sessions asked
 from several threads give the serial answers, exact per-call processed counts and seeded samples
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import kvcli
-from kvcli.engine.scheduler import engine_for
+from kvcli.engine.scheduling.scheduler import engine_for
 from kvcli.documents import decode
-from kvcli.engine import layers, restore
-from kvcli.engine.kvcache import FullLayer, KVCache, SlidingLayer
+from kvcli.engine.cache import layers, restore
+from kvcli.engine.cache.kvcache import FullLayer, KVCache, SlidingLayer
 from kvcli.engine.prefilling import prefill
 from tests.conftest import TokenCounter, reference_answer, sample_text
 

@@ -11,11 +11,12 @@ import torch
 
 import kvcli
 from kvcli.documents import decode
-from kvcli.engine import fidelity, restore
+from kvcli.engine import fidelity
+from kvcli.engine.cache import restore
 from kvcli.engine.prefilling import QUANT_EXACT, QUANT_RECENT, prefill, quant_spec, run_chunks
 from kvcli.errors import CacheCorruptError, CacheVersionError, ModelError
 from kvcli.format import codec, manifest as mf, payload, quant, store
-from kvcli.engine import layers
+from kvcli.engine.cache import layers
 from tests.conftest import sample_text, tiny_llama
 from tests.helpers import assert_clean_error, run
 

@@ -10,7 +10,7 @@ import pytest
 def test_loading_keeps_the_users_progress_bar_setting(tiny_model_dir, enabled):
     from transformers.utils import logging as hf_logging
 
-    from kvcli.engine import models
+    from kvcli.engine.model import models
 
     was = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()

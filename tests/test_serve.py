@@ -301,7 +301,7 @@ def test_usage_errors():
 
 
 def test_socket_path_rule(monkeypatch, tmp_path):
-    from kvcli.engine.models import kvcli_home
+    from kvcli.engine.model.models import kvcli_home
 
     monkeypatch.delenv("KVCLI_SOCKET")
     assert client.socket_path() == kvcli_home() / "kvcli.sock" == client.kvcli_home() / "kvcli.sock"

@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 import kvcli  # noqa: E402
-from kvcli.engine.conversation import Chat  # noqa: E402
+from kvcli.engine.prompt.conversation import Chat  # noqa: E402
 from kvcli.serve import http  # noqa: E402
 from kvcli.serve.docs import WarmProvider  # noqa: E402
 from tests.conftest import sample_text  # noqa: E402
@@ -101,7 +101,7 @@ def test_concurrent_http_clients_decode_together(world, here):
 
 def _model_turn(warm):
     """A turn of the one model the warm server holds: its engine runs no step while the test holds it."""
-    from kvcli.engine.scheduler import engine_for
+    from kvcli.engine.scheduling.scheduler import engine_for
 
     (lm,) = [e.obj for e in warm._entries.values() if e.kind == "model"]
     return engine_for(lm).turn()

@@ -79,7 +79,8 @@ def ask(
     from contextlib import contextmanager
 
     from ..asking import ask_events
-    from ..engine import answer as an, conversation
+    from ..engine import answer as an
+    from ..engine.prompt import conversation
 
     opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop),
                                 repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)

@@ -32,7 +32,7 @@ def bench(
 ) -> int:
     """Measure prefill, restore and time to first token with and without the cache, and sizes."""
     from .. import bench as bn, documents
-    from ..engine import models
+    from ..engine.model import models
 
     out = Output(quiet=quiet)
     document = documents.read(doc)

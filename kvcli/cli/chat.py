@@ -59,7 +59,8 @@ def chat(
                 if code:
                     raise typer.Exit(code)
         return 0
-    from ..engine import answer as an, conversation
+    from ..engine import answer as an
+    from ..engine.prompt import conversation
 
     opts = an.GenerationOptions(**{**options, "stop": tuple(stop)})
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)

@@ -66,7 +66,8 @@ def prefill(
                           prefilled=lambda i, r: _prefilled(out, *targets[i], r, json_out, True))
         if code is not None:
             return code
-    from ..engine import models, prefilling as pf
+    from ..engine.model import models
+    from ..engine import prefilling as pf
 
     failed: list[KvcliError] = []
 
@@ -110,7 +111,8 @@ def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shar
                     model, revision, system, framing, chunk_size, dtype, device, encoding, force, trust_remote_code, json_out,
                     kv_bits: Optional[int] = None) -> int:
     """Documents from a list and/or URLs, this process's share, one result line each (library: engine.corpus)."""
-    from ..engine import corpus, models, prefilling as pf
+    from ..engine import corpus, prefilling as pf
+    from ..engine.model import models
     from ..remote import placement
 
     entries = list(dict.fromkeys(docs + (corpus.read_list(from_list) if from_list is not None else [])))

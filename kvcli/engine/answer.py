@@ -1,7 +1,7 @@
 """A cache opened against a loaded model (Session), ready for questions from any thread.
 
 Each question starts from the document's own cache state, never from the previous question's: its ids
-are appended after the document in rows the model's engine owns (engine/scheduler.py), and the
+are appended after the document in rows the model's engine owns (engine/scheduling/scheduler.py), and the
 document's keys/values are never written.
 """
 
@@ -12,13 +12,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
-
-from . import conversation, fit, framing as fr, restore
 
 from ..format import store
-from .models import LoadedModel
-from .request import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS, Answer, GenerationOptions, prompt_room  # noqa: F401  (the API's names)
+from .cache import restore
+from .model import fit
+from .prompt import conversation, framing as fr
+from .model.models import LoadedModel
+from .decoding.request import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS, Answer, GenerationOptions, prompt_room  # noqa: F401  (the API's names)
 
 TokenFn = Callable[[str], None]  # receives answer text as it becomes final
 
@@ -70,7 +70,7 @@ class Session:
             *, check: bool = False, history: Sequence[conversation.Exchange] = (),
             cancelled: Callable[[], bool] | None = None) -> Answer:
         """Answer one question; on_text receives the answer's text as it is generated (raising there abandons it).
-        Safe from several threads: every question runs through the model's engine (engine/scheduler.py).
+        Safe from several threads: every question runs through the model's engine (engine/scheduling/scheduler.py).
 
         check=True also runs the prompt and answer through the model once without any cache and fills
         Answer.check (see engine/check.py): it costs a full recompute of the document.
@@ -85,12 +85,12 @@ class Session:
                  on_answer: Callable[[int, Answer], None] | None = None, check: bool = False,
                  history: Sequence[conversation.Exchange] = (), cancelled: Callable[[], bool] | None = None) -> list[Answer]:
         """Answer several questions together: each decoding step runs every running question of this document
-        (and of any other asker) in one forward pass (engine/batch.py), so the weights are read once per step
+        (and of any other asker) in one forward pass (engine/decoding/batch.py), so the weights are read once per step
         instead of once per question. Greedy answers equal ask() alone and generate() on the full prompt.
         on_text(i, text) streams question i's text; on_answer(i, answer) hands each answer over as soon as it
         is complete. batch_size: at most this many of these questions decode at once (1: one by one).
         check=True measures every answer against a full recompute (Answer.check)."""
-        from .scheduler import engine_for
+        from .scheduling.scheduler import engine_for
 
         return engine_for(self.lm).ask(self, questions, options or GenerationOptions(), history=history,
                                        limit=batch_size, check=check, on_text=on_text, on_answer=on_answer,
@@ -140,7 +140,7 @@ class ModelPool:
     def for_cache(self, path: str | os.PathLike) -> LoadedModel:
         import json
 
-        from . import models
+        from .model import models
 
         manifest = store.read_manifest(path)
         dtype = self.dtype or manifest.dtype

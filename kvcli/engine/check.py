@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .models import LoadedModel
+from .model.models import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from urllib.parse import urlsplit
 from ..documents import Document
 from ..errors import CacheError, CacheExistsError, KvcliError, UsageError
 from ..format import manifest as mf, store
-from . import framing as fr, prefilling as pf
-from .models import LoadedModel
+from .prompt import framing as fr
+from . import prefilling as pf
+from .model.models import LoadedModel
 
 # Fingerprint fields that decide whether a cache still fits the model (those fit.check_fits reads).
 FINGERPRINT_KEYS = ("model_type", "config_sha256", "weights_sha256", "tokenizer_sha256", "chat_template_sha256",

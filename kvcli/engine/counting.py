@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import framing as fr, layers, models
+from .prompt import framing as fr
+from .cache import layers
+from .model import models
 from .prefilling import ANSWER_ROOM
 from ..documents import Document
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .models import LoadedModel
+from .model.models import LoadedModel
 
 
 @dataclass
@@ -34,7 +34,7 @@ def answer_logprobs(lm: LoadedModel, states, prompt_tail: Sequence[int], answer:
     question's ids after the cached tokens) and the answer teacher-forced after the restored `states`."""
     import torch
 
-    from .kvcache import KVCache
+    from .cache.kvcache import KVCache
 
     ids = list(prompt_tail) + list(answer[:-1])
     x = torch.tensor([ids], device=lm.device)  # [1, question + answer - 1]

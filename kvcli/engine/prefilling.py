@@ -12,12 +12,13 @@ from pathlib import Path
 
 from .. import __version__
 
-from . import framing as fr, layers
+from .prompt import framing as fr
+from .cache import layers
 
 from ..format import manifest as mf, writing
 from ..documents import Document
 from ..errors import DocumentError, ModelError, UsageError
-from .models import LoadedModel
+from .model.models import LoadedModel
 
 DEFAULT_CHUNK = 1024  # chosen by measurement (8k tokens: 1.10x one forward at 60% of its peak memory): README, "Performance"
 ANSWER_ROOM = 320  # tokens kept free for a question and its answer
@@ -60,15 +61,15 @@ def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: Progr
 
     Full-attention layers get buffers for the whole document up front and each chunk's keys/values are
     written in place (no concatenation copying the growing cache at every chunk); with kvcli's attention
-    (engine/attention.py) CPU attention reads grouped key/value heads directly. The chunked prefill then
+    (engine/model/attention.py) CPU attention reads grouped key/value heads directly. The chunked prefill then
     costs about what one forward pass over the whole document does, with far less memory. Each chunk
-    takes the model's turn from its engine (engine/scheduler.py): answers running on the same model
+    takes the model's turn from its engine (engine/scheduling/scheduler.py): answers running on the same model
     step between two chunks, never wait for the whole document.
     """
     import torch
 
-    from .kvcache import KVCache
-    from .scheduler import engine_for
+    from .cache.kvcache import KVCache
+    from .scheduling.scheduler import engine_for
 
     engine = engine_for(lm)
     total = len(ids)
@@ -208,7 +209,7 @@ def provenance(lm: LoadedModel) -> dict[str, str]:
     """What computes the keys/values here: torch build, device type, attention implementation."""
     import torch
 
-    from . import attention
+    from .model import attention
 
     return {
         "torch_version": torch.__version__,

@@ -232,7 +232,7 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
 
 
 def _framing_cut(framing: dict, num_tokens: int, where: str) -> None:
-    """Framing version 2 moves the cut (engine/framing.py): document text re-tokenized with each question.
+    """Framing version 2 moves the cut (engine/prompt/framing.py): document text re-tokenized with each question.
     Its three fields come together, with version 2 only, and say something (a cut that cuts nothing is not)."""
     keys = ("anchor", "anchor_tokens", "pending")
     present = [k for k in keys if k in framing]

@@ -19,7 +19,7 @@ FINAL = ("done", "fail")
 
 
 def kvcli_home() -> Path:
-    """$KVCLI_HOME, else the per-user cache folder (the rule of kvcli.engine.models.kvcli_home, without its imports)."""
+    """$KVCLI_HOME, else the per-user cache folder (the rule of kvcli.engine.model.models.kvcli_home, without its imports)."""
     if os.environ.get("KVCLI_HOME"):
         return Path(os.environ["KVCLI_HOME"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

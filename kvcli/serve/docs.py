@@ -4,7 +4,7 @@
 request. `WarmProvider` lends them from a warm server's Warm (serve/warm.py), the one LRU, staleness
 rule and memory account every front end shares; `DocsProvider` is the standalone one (`http.start`
 without a socket server): a WarmProvider over a Warm of its own. Every question runs through its
-model's engine (engine/scheduler.py), whichever front end asks.
+model's engine (engine/scheduling/scheduler.py), whichever front end asks.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Opened:
         """One answer; `Cancelled` once cancelled() says the asker left (its row leaves at the next step)."""
         if self.asker is not None:
             return self.asker(question, options, on_text, history=history, cancelled=cancelled)
-        from ..engine.scheduler import Left
+        from ..engine.scheduling.scheduler import Left
 
         try:
             return self.session.ask(question, options, on_text, history=history, cancelled=cancelled)

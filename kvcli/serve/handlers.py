@@ -110,7 +110,7 @@ def _strings(req: dict[str, Any], name: str) -> list[str]:
 def _history(req: dict[str, Any], session: Any) -> list[tuple[str, str]]:
     """The conversation the questions follow: `history` ([[question, answer], ...]) or `follow_up` (an
     `ask --json` answer, checked against this cache as the in-process `ask --follow-up` does)."""
-    from ..engine import conversation
+    from ..engine.prompt import conversation
 
     if req.get("follow_up") is not None:
         return conversation.from_answer_json(req["follow_up"], session.token_ids, str(req.get("follow_up_name") or "--follow-up"))
@@ -179,7 +179,7 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
             for index, document, target in ready:
                 if conn.cancelled():
                     raise Gone()
-                try:  # its chunks take turns with the answers running on this model (engine/scheduler.py)
+                try:  # its chunks take turns with the answers running on this model (engine/scheduling/scheduler.py)
                     r = pf.prefill(model.lm, document, target, system=req.get("system"), framing=req.get("framing") or "auto",
                                    chunk_size=req.get("chunk_size") or pf.DEFAULT_CHUNK, force=bool(req.get("force")),
                                    kv_bits=kv_bits)

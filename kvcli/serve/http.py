@@ -2,7 +2,7 @@
 
 GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions (streamed as server-sent events in
 OpenAI's chunk format, ending with `data: [DONE]`). Errors are OpenAI error objects, never a traceback.
-Each request's answer joins its model's engine (engine/scheduler.py), decoded together with every
+Each request's answer joins its model's engine (engine/scheduling/scheduler.py), decoded together with every
 other request on that document up to the batch width; at most `max_queue` more requests wait per
 model, more get 503. A client that disconnects, streaming or not, takes its row out at the next step. Binding anything but loopback requires an API key (Bearer token).
 Needs the `serve` extra (starlette, sse-starlette, uvicorn), imported only when a server is built.
@@ -105,7 +105,8 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from ..engine import answer as an, conversation
+    from ..engine import answer as an
+    from ..engine.prompt import conversation
 
     gates: dict[int, _Gate] = {}
     token = api_key.encode() if api_key else None

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import conversation
+from ..engine.prompt import conversation
 from ..errors import ConversationError
 
 

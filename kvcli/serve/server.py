@@ -1,7 +1,7 @@
 """`kvcli serve`: a unix-socket server that keeps models and restored caches warm for many clients.
 
 One thread per connection (at most MAX_CLIENTS at once); every question and prefill chunk runs through
-its model's engine (engine/scheduler.py), shared with the HTTP front end through one Warm (warm.py).
+its model's engine (engine/scheduling/scheduler.py), shared with the HTTP front end through one Warm (warm.py).
 The socket is private to its owner (0600, in a 0700 folder when kvcli makes the folder). A flock on
 SOCKET.lock makes a second server on the same path refuse to start; a socket left by a dead server is
 replaced. SIGTERM or SIGINT: stop accepting, let in-flight requests finish (up to GRACE_S, then cancel

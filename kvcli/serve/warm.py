@@ -9,7 +9,7 @@ Used by the unix-socket server (server.py) and meant for any other front end (an
         prefill(held.lm, ...)
     warm.status()                                       # what `kvcli ps` shows
 
-Every question on a model runs through that model's one engine (engine/scheduler.py): rows of one
+Every question on a model runs through that model's one engine (engine/scheduling/scheduler.py): rows of one
 document decode together, at most `batch_size` at once, joining between steps; documents sharing a
 model are stepped in turn, and a prefill's chunks take turns with those steps. A cache directory
 replaced since it was restored (directory or manifest identity changed) is restored again, never
@@ -69,7 +69,7 @@ class Lease:
     @property
     def concurrency(self) -> int:
         """Questions that decode together on this document (1: one at a time)."""
-        from ..engine.scheduler import engine_for
+        from ..engine.scheduling.scheduler import engine_for
 
         engine = engine_for(self.session.lm)
         return (engine.width or 1) if engine.batched else 1
@@ -86,7 +86,7 @@ class Lease:
         """Several questions, decoded together with whatever else asks this model (at most batch_size of
         these at once); callbacks run in this thread: on_text(i, text), on_answer(i, answer) as each completes."""
         from ..engine.answer import GenerationOptions
-        from ..engine.scheduler import Left, Stopped
+        from ..engine.scheduling.scheduler import Left, Stopped
 
         def answered(i: int, a: Any) -> None:
             self._warm._served(self._entry, self._model)
@@ -196,7 +196,7 @@ class Warm:
     def model(self, model: str | None = None, *, revision: str | None = None, device: str = "auto", dtype: str = "auto",
               trust_remote_code: bool = False, progress: Note | None = None) -> Iterator[HeldModel]:
         """Lend a loaded model (loaded now if not held), as models.load(model, ...) would load it."""
-        from ..engine import models
+        from ..engine.model import models
 
         request = json.dumps(["model", model or os.environ.get("KVCLI_MODEL"), revision, device, dtype, trust_remote_code])
         entry = self._take(self._alias.get(request, request))
@@ -302,7 +302,8 @@ class Warm:
         return self._take(key)
 
     def _restore(self, key: str, path: Path, *, model, revision, device, dtype, trust_remote_code, convert_dtype, progress) -> _Entry:
-        from ..engine import answer as an, models
+        from ..engine import answer as an
+        from ..engine.model import models
         from ..format import store
 
         try:
@@ -333,8 +334,8 @@ class Warm:
 
     def _load_model(self, key: str, source: dict, device: str, dtype: str, trust_remote_code: bool, progress: Note | None) -> _Entry:
         """Load a model and hold it under its canonical key (the source, the device and the dtype it got)."""
-        from ..engine import models
-        from ..engine.scheduler import engine_for
+        from ..engine.model import models
+        from ..engine.scheduling.scheduler import engine_for
         from ..format.codec import dtype_name
 
         lm = models.load(source=source, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=progress)

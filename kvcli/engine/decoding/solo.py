@@ -1,8 +1,8 @@
 """Rows one at a time on the document's own cache, with the model's own attention.
 
-For a model whose batched (cascade) path was not proven exact when it loaded (engine/probe.py), the
+For a model whose batched (cascade) path was not proven exact when it loaded (engine/scheduling/probe.py), the
 engine decodes each document's rows through this one at a time: the same rows, choosers, streams and
-counts as engine/batch.py's Decoder, on the Session's KVCache (rewound to the document after each
+counts as engine/decoding/batch.py's Decoder, on the Session's KVCache (rewound to the document after each
 row, so nothing is copied), with the attention kernels plain generate() would use.
 """
 

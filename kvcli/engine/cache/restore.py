@@ -8,8 +8,8 @@ from typing import Any
 
 from . import layers
 from .kvcache import GROW_STEP, FullLayer, KVCache, SlidingLayer
-from ..format.codec import DTYPES, decode_layer
-from ..format.store import OpenedCache
+from ...format.codec import DTYPES, decode_layer
+from ...format.store import OpenedCache
 
 ROOM_TOKENS = GROW_STEP  # spare tokens after each full-attention layer's document: a question appends in place
 

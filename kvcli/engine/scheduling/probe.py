@@ -71,7 +71,8 @@ def _measure(model: Any) -> tuple[float, float]:
     import torch
     from transformers import DynamicCache
 
-    from . import batch, layers
+    from ..decoding import batch
+    from ..cache import layers
 
     vocab = _vocab(model)
     doc = _ids(vocab, DOCUMENT, 0)
@@ -106,7 +107,7 @@ def _measure(model: Any) -> tuple[float, float]:
 
 def probe(model: Any) -> Batching:
     """Run the check on this model as it is now (attention implementation, dtype, device); never raises."""
-    from . import attention
+    from ..model import attention
 
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in attention.NAMES:
@@ -135,3 +136,13 @@ def verdict(model: Any) -> Batching:
     if key not in memo:
         memo[key] = probe(model)
     return memo[key]
+
+
+def batchable(model: Any) -> bool:
+    """Whether the model's rows may share one batch.Decoder: it attends through kvcli's functions and the
+    probe measured its batched and single rows equal to its plain forward (once per model)."""
+    from ..model import attention
+
+    if getattr(model.config, "_attn_implementation", None) not in attention.NAMES:
+        return False
+    return verdict(model).ok

@@ -1,7 +1,7 @@
-"""Questions on one document -> decoding rows -> answers: what the engine (engine/scheduler.py) runs.
+"""Questions on one document -> decoding rows -> answers: what the engine (engine/scheduling/scheduler.py) runs.
 
-Each question becomes a Row of engine/batch.py (its appended ids, its room, its own chooser: the logits
-processors and seeded sampler generate() would apply), with a text stream (engine/detok.py) that settles
+Each question becomes a Row of engine/decoding/batch.py (its appended ids, its room, its own chooser: the logits
+processors and seeded sampler generate() would apply), with a text stream (engine/decoding/detok.py) that settles
 its answer as tokens come; a finished row becomes an Answer. `in_order` renders answers finishing in any
 order as if asked one by one.
 """
@@ -68,7 +68,7 @@ class Question:
 
     def answer(self, session: Any, start: float, turn: Callable[[], Any] | None = None) -> Any:
         """The finished row as an Answer (timings counted from `start`); with check, measured against a
-        recompute, run under `turn` (the model's: engine/scheduler.py) when given."""
+        recompute, run under `turn` (the model's: engine/scheduling/scheduler.py) when given."""
         from contextlib import nullcontext
 
         from .request import Answer
@@ -78,7 +78,7 @@ class Question:
         finished = r.finished_at - start  # the answer's own time: the check's recompute is not in it
         checked = None
         if r.logits is not None:
-            from . import check as ck
+            from .. import check as ck
 
             with (turn or nullcontext)():
                 checked = ck.compare(session.lm, r.prompt, r.answer, torch.stack(r.logits) if r.logits else None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ConversationError, ModelError
+from ...errors import ConversationError, ModelError
 from . import framing as fr
 
 Exchange = tuple[str, str]  # (question, answer) of an earlier turn

@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from . import layers as ly
-from ..errors import ModelError
+from ...errors import ModelError
 
 GROW_STEP = 256  # tokens: buffers grow in multiples of this (room for a question and its answer)
 

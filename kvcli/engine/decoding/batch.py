@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from . import attention
-from .shared import GROW_TOKENS, SharedPrefixCache, Step
-from ..errors import CacheCorruptError
+from ..model import attention
+from ..cache.shared import GROW_TOKENS, SharedPrefixCache, Step
+from ...errors import CacheCorruptError
 
 
 @dataclass

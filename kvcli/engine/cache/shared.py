@@ -1,8 +1,8 @@
 """The cache of a batch: one document's keys/values shared read-only by every row, plus a suffix per row.
 
 Each question appends its own tokens to a row of small suffix buffers; the document is never copied
-per question. kvcli's cascade attention (engine/attention.py) reads both parts through the Step the
-Decoder (engine/batch.py) sets before each forward pass.
+per question. kvcli's cascade attention (engine/model/attention.py) reads both parts through the Step the
+Decoder (engine/decoding/batch.py) sets before each forward pass.
 """
 
 from __future__ import annotations

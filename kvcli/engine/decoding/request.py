@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import GenerationError
-from .check import Check
+from ...errors import GenerationError
+from ..check import Check
 
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_BATCH = 8  # rows one document decodes together (README, "Many questions at once")

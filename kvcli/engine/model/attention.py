@@ -5,14 +5,14 @@
   document, a prefill chunk), unless a process-wide environment switch is set. kvcli registers its own
   function, which calls torch's sdpa with `enable_gqa=True`, for models that run sdpa on the CPU,
   where it was measured faster and gives the same tokens (tests/test_attention.py).
-- Cascade attention for many questions on one document (engine/batch.py): while a forward pass runs
+- Cascade attention for many questions on one document (engine/decoding/batch.py): while a forward pass runs
   inside `sharing(cache)` with a SharedPrefixCache, every kvcli function attends over the shared document
   and each question's own tokens instead; otherwise each does exactly what the model's own attention did
   (sdpa, or the modeling file's eager function for models such as gemma2 that need softcapping).
   The cache travels in a context variable, not as a forward() keyword: some modeling files (StableLM's
   decoder layer) drop the keywords they are given before calling attention, and their batched rows then
   attended only to their own suffix buffer, never to the document. Whether a loaded model really batches
-  exactly is measured, not assumed (engine/probe.py).
+  exactly is measured, not assumed (engine/scheduling/probe.py).
 """
 
 from __future__ import annotations
@@ -123,16 +123,6 @@ def kernel_name(implementation: str | None) -> str:
     if implementation == EAGER_NAME:
         return "eager"
     return str(implementation or "unknown")
-
-
-def batchable(model: Any) -> bool:
-    """Whether the model's rows may share one batch.Decoder: it attends through kvcli's functions and the
-    probe measured its batched and single rows equal to its plain forward (engine/probe.py, once per model)."""
-    if getattr(model.config, "_attn_implementation", None) not in NAMES:
-        return False
-    from .probe import verdict
-
-    return verdict(model).ok
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ModelError
+from ...errors import ModelError
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from . import layers
-from ..errors import CacheMismatchError
-from ..format import manifest as mf
-from .framing import SUPPORTED_VERSIONS
+from ..cache import layers
+from ...errors import CacheMismatchError
+from ...format import manifest as mf
+from ..prompt.framing import SUPPORTED_VERSIONS
 from .models import LoadedModel
 
 _CHECKED = (

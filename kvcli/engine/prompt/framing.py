@@ -19,7 +19,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ModelError
+from ...errors import ModelError
 
 FRAMING_VERSION = 1  # recorded when the cut is at the document's end (no anchor, nothing pending)
 FRAMING_VERSION_CUT = 2  # recorded when the cache holds anchor / pending text: readers of version 1 refuse it

@@ -3,7 +3,7 @@
 Askers (the CLI in-process, a socket client's thread, an HTTP request) submit questions and read events
 back in their own thread: settled text, finished answers, errors. Each step of the loop runs one forward
 pass per document with rows (the joining rows' own ids, else one new token for every running row, in a
-batch: engine/batch.py; one row at a time where the batched path was not proven exact: engine/solo.py),
+batch: engine/decoding/batch.py; one row at a time where the batched path was not proven exact: engine/decoding/solo.py),
 then hands one turn to other work waiting for the model (a prefill chunk, a --check recompute). So a
 long prefill pauses running answers for one chunk at a time, a new question joins at the next step, and
 an asker that leaves (cancelled, an exception in its callbacks, Ctrl-C) takes its rows out at the next step.
@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from . import batch, questions as qs
-from .request import DEFAULT_BATCH as DEFAULT_WIDTH
-from .solo import SoloDecoder
+from ..decoding import batch, questions as qs
+from ..decoding.request import DEFAULT_BATCH as DEFAULT_WIDTH
+from ..decoding.solo import SoloDecoder
 POLL_S = 0.05  # how often a waiting asker checks whether it is still wanted
 
 
@@ -44,7 +44,7 @@ class Engine:
     def __init__(self, lm: Any, *, width: int | None = None, batched: bool | None = None):
         self.lm = lm
         self.width = width  # rows per document (a server's --batch-size); None: as wide as each asker asks
-        self._batched = batched  # None: decided by the model's probe (engine/probe.py) when the first row arrives
+        self._batched = batched  # None: decided by the model's probe (engine/scheduling/probe.py) when the first row arrives
         self.eos = batch.eos_ids(lm.model)
         self.pad_id = batch.padding_id(lm.tokenizer, lm.model)
         self._cv = threading.Condition()
@@ -64,11 +64,11 @@ class Engine:
     def batched(self) -> bool:
         """Whether rows of one document share forward passes: the loaded model's probe said it is exact."""
         if self._batched is None:
-            from . import attention
+            from .probe import batchable
 
             with self.turn():  # the probe runs the model: between two steps, like any other model work
                 if self._batched is None:
-                    self._batched = attention.batchable(self.lm.model)
+                    self._batched = batchable(self.lm.model)
         return self._batched
 
     @batched.setter

@@ -1,0 +1,1 @@
+"""The engine's scheduling job."""
