@@ -80,5 +80,7 @@ def test_ci_runs_the_readme_commands_as_written():
     assert quick in ci and tests in ci
     assert ci.index(quick) < ci.index(".ci/slurm-up") < ci.index(tests)
     for line in (quick, tests):  # every install goes through the constraints (the CPU torch cannot be replaced)
-        installs = [p for p in line.split("&&") if "pip install" in p and "--no-deps" not in p]
+        installs = [p for p in line.split("&&") if "pip install" in p and " -e " in p]  # kvcli and its requirements
         assert installs and all("-c constraints.txt" in p for p in installs), line
+        others = [p for p in line.split("&&") if "pip install" in p and " -e " not in p]
+        assert all("--no-deps" in p or re.search(r"install \S+==\S+\s*$", p) for p in others), line  # pinned, alone
