@@ -9,7 +9,7 @@ Python API (heavy modules load on first use, so `import kvcli` stays cheap):
     print(session.ask("Who is the licensor?").answer)
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "load": ("kvcli.engine.model.models", "load"),

@@ -1,4 +1,4 @@
-"""The agreement run of README "Smaller caches" without bench's lossless baselines (not part of the test run).
+"""The agreement run of docs/quantization.md ("Smaller caches") without bench's lossless baselines (not part of the test run).
 
 `kvcli bench --kv-bits 8 --kv-bits 4` also measures plain prefills, naive torch.save and recompute TTFTs;
 this script runs only the part that compares formats (kvcli.bench_formats.measure, the same function), so

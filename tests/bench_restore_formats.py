@@ -1,5 +1,5 @@
-"""Restore speed and TTFT of each storage format (not collected by pytest): the timing columns of README
-"Smaller caches", without the agreement run (which is deterministic and slow: tests/bench_quant.py).
+"""Restore speed and TTFT of each storage format (not collected by pytest): the timing columns of
+docs/quantization.md ("Smaller caches"), without the agreement run (which is deterministic and slow: tests/bench_quant.py).
 
     python tests/bench_restore_formats.py
 

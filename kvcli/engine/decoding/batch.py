@@ -156,6 +156,16 @@ def take(row: Row, logits: torch.Tensor, eos: set[int]) -> None:
         row.finish_reason = "length"
 
 
+def decode_rows(model: Any, states: Sequence[Any], rows: list[Row], *, batch_size: int, eos: set[int], pad_id: int) -> None:
+    """Run every row to its end on one Decoder, at most batch_size at once (the probe's direct use; askers go
+    through the engine)."""
+    decoder = Decoder(model, states, width=min(batch_size, len(rows)), eos=eos, pad_id=pad_id)
+    for row in rows:
+        decoder.add(row)
+    while decoder.busy:
+        decoder.step()
+
+
 def check_lengths(states: Sequence[Any], length: int | None = None) -> int:
     """The document's length, which every layer must count (a sliding layer counts more tokens than it keeps).
 
