@@ -87,13 +87,15 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int
     diff = (got - ref).abs().amax(dim=-1)  # [n]
     log_ref, log_got = torch.log_softmax(ref, dim=-1), torch.log_softmax(got, dim=-1)  # [n, vocab]
     kl = (log_ref.exp() * (log_ref - log_got)).sum(-1).clamp_min(0)  # [n]
-    top_ref, top_got = ref.topk(2, dim=-1), got.topk(2, dim=-1)
+    top_ref, top_got = ref.topk(2, dim=-1), got.topk(2, dim=-1)  # values for the margins
+    # the top token as greedy decoding picks it: argmax, whose tie-break (the lowest id) topk does not promise
+    pick_ref, pick_got = ref.argmax(dim=-1), got.argmax(dim=-1)  # [n]
     divergences = []
-    for i in (top_ref.indices[:, 0] != top_got.indices[:, 0]).nonzero().flatten().tolist():
+    for i in (pick_ref != pick_got).nonzero().flatten().tolist():
         divergences.append(Divergence(
             position=i,
-            cached_token=int(top_got.indices[i, 0]),
-            recompute_token=int(top_ref.indices[i, 0]),
+            cached_token=int(pick_got[i]),
+            recompute_token=int(pick_ref[i]),
             margin=float(top_ref.values[i, 0] - top_ref.values[i, 1]),
             cached_margin=float(top_got.values[i, 0] - top_got.values[i, 1]),
             logit_diff=float(diff[i]),
