@@ -264,6 +264,34 @@ def test_client_gone_mid_stream_stops_its_generation(server, client, docs):
     assert r.choices[0].message.content == _alone(docs, "licence.kv", Q1).answer
 
 
+def test_client_gone_before_a_whole_answer_stops_its_generation(server, docs):
+    """Not streaming: a client that hangs up while its answer is computed takes its row out within a step."""
+    import httpx
+
+    from kvcli.engine.scheduling.scheduler import engine_for
+    from tests.conftest import TokenCounter
+
+    srv, provider = server
+    opened = provider.open("licence.kv")
+    session = opened.session
+    opened.release()
+    engine = engine_for(session.lm)
+    counter = TokenCounter(session.lm.model)
+    try:
+        body = {"model": "licence.kv", "messages": [{"role": "user", "content": Q1}], "max_tokens": 2000}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(srv.base_url + "/chat/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+        gave_up, left_at = len(counter.calls), time.monotonic()
+        while engine.busy and time.monotonic() < left_at + 30:
+            time.sleep(0.01)
+        stopped_after = time.monotonic() - left_at
+        assert not engine.busy  # nobody is decoding for the client that left
+        assert len(counter.calls) < 2000 and stopped_after < 5, (len(counter.calls), stopped_after)
+        assert len(counter.calls) - gave_up < 300, (gave_up, len(counter.calls))  # a few polls' worth of steps, not the answer
+    finally:
+        counter.close()
+
+
 def test_plain_cli_never_imports_the_http_stack():
     from tests.helpers import run_python
 

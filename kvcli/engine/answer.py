@@ -36,6 +36,9 @@ class Session:
             self.cache = restore.load_cache(opened, device=lm.device, dtype=lm.dtype)  # the document (rows decoded one at a time grow it, then rewind)
         self.framing = fr.Framing.from_record(self.manifest.framing)
         self.warnings = _version_warnings(self.manifest, self.path) + _provenance_warnings(self.manifest, lm, self.path)
+        from .scheduling.scheduler import engine_for
+
+        engine_for(lm).batched  # noqa: B018  decided now (the probe, once per model), not inside the first question
         self.load_s = time.perf_counter() - t0
         self._unreported_load = self.load_s
         self._clock_lock = threading.Lock()

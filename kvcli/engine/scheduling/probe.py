@@ -146,3 +146,43 @@ def batchable(model: Any) -> bool:
     if getattr(model.config, "_attn_implementation", None) not in attention.NAMES:
         return False
     return verdict(model).ok
+
+
+def remembered(lm: Any) -> Batching:
+    """The verdict for a loaded model, kept on disk for models loaded from files (KVCLI_HOME/probes/, keyed by
+    the weights' and config's fingerprints, attention, dtype, device, torch and kvcli versions), so a
+    one-question process does not probe again what an earlier process measured."""
+    import hashlib
+    import json
+    import os
+
+    from ... import __version__
+    from ..model import attention
+    from ..model.models import kvcli_home
+
+    model = lm.model
+    memo = model.__dict__.setdefault("_kvcli_batching", {})
+    impl = getattr(model.config, "_attn_implementation", None)
+    mkey = (impl, str(model.dtype), str(model.device))
+    if mkey in memo or impl not in attention.NAMES or lm.source.get("kind") in (None, "object"):
+        return verdict(model)
+    import torch
+
+    key = hashlib.sha256(json.dumps([lm.fingerprint.get("weights_sha256"), lm.fingerprint.get("config_sha256"), *mkey,
+                                     torch.__version__, __version__]).encode()).hexdigest()[:32]
+    path = kvcli_home() / "probes" / f"{key}.json"
+    try:
+        saved = json.loads(path.read_text())
+        memo[mkey] = Batching(bool(saved["ok"]), str(saved["reason"]), float(saved["max_diff"]), float(saved["ms"]))
+        return memo[mkey]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    found = verdict(model)
+    try:  # written whole or not at all; a failure to remember is no reason to fail the answer
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(found.to_json()))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return found

@@ -64,11 +64,11 @@ class Engine:
     def batched(self) -> bool:
         """Whether rows of one document share forward passes: the loaded model's probe said it is exact."""
         if self._batched is None:
-            from .probe import batchable
+            from .probe import remembered
 
             with self.turn():  # the probe runs the model: between two steps, like any other model work
                 if self._batched is None:
-                    self._batched = batchable(self.lm.model)
+                    self._batched = remembered(self.lm).ok
         return self._batched
 
     @batched.setter
