@@ -31,9 +31,16 @@ _CHUNK = 4 << 20
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
-def root() -> Path:
-    from ..engine.models import kvcli_home
+def kvcli_home() -> Path:
+    """$KVCLI_HOME, else the per-user cache directory: the same rule as kvcli.engine.models.kvcli_home, kept here
+    so the remote layer imports nothing from the engine (the vLLM connector reads caches without it)."""
+    if os.environ.get("KVCLI_HOME"):
+        return Path(os.environ["KVCLI_HOME"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvcli"
 
+
+def root() -> Path:
     return kvcli_home() / "remote"
 
 
