@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.kvcli")  # under "vllm": vLLM's logging configuration shows it (kvcli.* would be dropped)
 
 
 @dataclass
@@ -336,6 +336,8 @@ class KvcliConnector(KVConnectorBase_V1):
         # write from the attention layers themselves.
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcliConnectorMetadata)
+        if getattr(forward_context, "attn_metadata", None) is None:  # a step without a forward (ExampleConnector returns here)
+            self._stats(event="no_forward_step", loads=len(meta.loads))
         for spec in meta.loads:
             started = time.perf_counter()
             try:
