@@ -151,7 +151,8 @@ def runs(corpus):
     steps = ([[t] for t in good] + [[t] for t in bad] + [["after-bad"], ["probe-own"], ["probe-loaded"], ["chat-defs-0"]]
              + [{"replace": [str(corpus["rebuilt"]), str(corpus["caches"] / "grants.kv")]}, ["replaced-1"], ["replaced-2"]])
     stats = root / "stats.jsonl"
-    conn = _vllm({"model": str(corpus["model"]), "caches": str(corpus["caches"]), "stats_file": str(stats),
+    # through kvcli's remote path (fsspec URL, local store copy checked as it downloads), as s3:// would be
+    conn = _vllm({"model": str(corpus["model"]), "caches": f"file://{corpus['caches']}", "stats_file": str(stats),
                   "probe_dir": str(root), "max_tokens": MAX_TOKENS, "steps": steps,
                   "requests": requests + [chat, probe, probe_loaded, after, *replaced]}, root, "connector")
     events = [json.loads(line) for line in stats.read_text().splitlines()]
@@ -210,6 +211,31 @@ def test_loaded_blocks_equal_the_blocks_vllms_own_prefill_writes(runs):
         worst = max(worst, diff / scale)
     print(f"largest difference, loaded vs vLLM's own keys/values over {n} blocks x 30 layers: {worst:.2e} (relative)")
     assert worst < 1e-4
+
+
+def test_the_cpu_backends_block_interior_as_its_own_kernel_writes_it(runs, corpus):
+    """What vLLM's own prefill wrote, read the way CPUAttentionBackendImpl.do_kv_cache_update views it
+    ([blocks, heads, block, 2 * dim] as [blocks, heads, 2 * block, dim]: the block's keys, then its values),
+    equals kvcli's cache; read as one token per row of the declared shape (ExampleConnector's
+    layer[block, :, offset]) it does not. The connector relies on neither: it writes through the kernel."""
+    import torch
+
+    from kvcli.format import codec, store
+
+    own = torch.load(runs["root"] / "own.pt")
+    name = next(n for n in own if n.endswith("layers.0.self_attn.attn"))
+    with store.open_cache(corpus["caches"] / "grants.kv") as cache:
+        m, e = cache.manifest, cache.manifest.layers[0]
+        k, v = codec.decode_layer(cache.read_shard(0), name="layer 0", transform=m.transform, dtype=torch.float32,
+                                  key_shape=e.key_shape, value_shape=e.value_shape, decoded_bytes=e.decoded_bytes)
+    block = own[name][0]  # the request's first block: [heads, block_size, 2 * head_dim]
+    heads, n, two_d = block.shape
+    assert (heads, n, two_d) == (3, BLOCK, 128)
+    rows = block.reshape(heads, 2 * n, two_d // 2)
+    scale = float(k.abs().max())
+    assert float((rows[:, :n] - k[0, :, :n]).abs().max()) < 1e-4 * scale
+    assert float((rows[:, n:] - v[0, :, :n]).abs().max()) < 1e-4 * float(v.abs().max())
+    assert float((block[:, :, : two_d // 2] - k[0, :, :n]).abs().max()) > 0.1 * scale
 
 
 def test_the_chat_api_with_kvcli_framing_hits_the_cache(runs):

@@ -247,3 +247,13 @@ def test_a_layout_that_is_not_five_plain_axes_is_refused():
 
     with pytest.raises(paged.LayoutError, match="is not"):
         paged.Layout.from_shape_fn(split_keys, block_size=16, num_kv_heads=3, head_size=64)
+
+
+def test_the_remote_store_finds_kvcli_home_as_the_engine_does(monkeypatch, tmp_path):
+    from kvcli.engine import models
+    from kvcli.remote import local_store
+
+    for env in ({"KVCLI_HOME": str(tmp_path / "h")}, {"KVCLI_HOME": "", "XDG_CACHE_HOME": str(tmp_path / "x")}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert local_store.kvcli_home() == models.kvcli_home()
