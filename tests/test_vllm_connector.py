@@ -1,6 +1,6 @@
-"""The vLLM connector's engine-free half (kvcli/integrations/caches.py, paged.py): runs in kvcli's own venv,
-without vLLM. Indexing caches by their prompt ids, prefix matching in whole blocks, refusal reasons, and
-writing decoded layers into a paged buffer at a slot mapping. The vLLM end-to-end test is tests/test_vllm.py."""
+"""The vLLM connector's engine-free half (kvcli/integrations/caches.py): runs in kvcli's own venv, without vLLM.
+Indexing caches by their prompt ids, prefix matching in whole blocks, refusal reasons. The paged layout is vLLM's
+(the connector writes through each attention layer's own kv-cache update): tests/test_vllm.py checks it."""
 
 from __future__ import annotations
 
@@ -185,68 +185,10 @@ def test_build_index_reads_urls_through_fsspec(tmp_path):
 
 
 def test_the_connector_imports_no_engine_and_no_transformers():
-    code = ("import sys, kvcli.integrations.caches, kvcli.integrations.fingerprint, kvcli.integrations.paged\n"
+    code = ("import sys, kvcli.integrations.caches, kvcli.integrations.fingerprint, kvcli.remote.local_store\n"
             "bad = sorted(m for m in sys.modules if m.startswith(('kvcli.engine', 'transformers')))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
-# paged.py: the layout is read from a backend's shape function, then a write lands at the slots.
-
-def _shapes():
-    def nhd(num_blocks, block_size, heads, dim):  # e.g. FlashAttention: [2, blocks, block, heads, dim]
-        return (2, num_blocks, block_size, heads, dim)
-
-    def hnd(num_blocks, block_size, heads, dim):  # e.g. a CPU/paged backend: [2, blocks, heads, block, dim]
-        return (2, num_blocks, heads, block_size, dim)
-
-    def kv_inside(num_blocks, block_size, heads, dim):  # [blocks, 2, block, heads, dim]
-        return (num_blocks, 2, block_size, heads, dim)
-
-    return [nhd, hnd, kv_inside]
-
-
-@pytest.mark.parametrize("shape_fn", _shapes(), ids=lambda f: f.__name__)
-def test_paged_write_lands_at_the_slots_in_every_declared_layout(shape_fn):
-    import torch
-
-    from kvcli.integrations import paged
-
-    blocks, block, heads, dim = 6, 4, 3, 5
-    layout = paged.Layout.from_shape_fn(shape_fn, block_size=block, num_kv_heads=heads, head_size=dim)
-    buf = torch.zeros(shape_fn(blocks, block, heads, dim))
-    block_ids = [5, 2, 0]
-    n = 10
-    slots = paged.slot_mapping(block_ids, block, n)
-    assert slots.tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 0, 1]
-    k = torch.randn(n, heads, dim)
-    v = torch.randn(n, heads, dim)
-    layout.write(buf, slots, k, v)
-    # read back with plain indexing on the declared shape, independent of the view
-    names = ("kv", "block", "offset", "head", "dim")
-    axes = {a: layout.perm[i] for i, a in enumerate(names)}
-    for t in range(n):
-        b, o = block_ids[t // block], t % block
-        for which, src in ((0, k), (1, v)):
-            idx = [slice(None)] * 5
-            idx[axes["kv"]], idx[axes["block"]], idx[axes["offset"]] = which, b, o
-            got = buf[tuple(idx)]  # remaining axes: head, dim in declared order
-            if axes["head"] > axes["dim"]:
-                got = got.T
-            assert torch.equal(got, src[t])
-    assert int((buf != 0).sum()) == 2 * n * heads * dim  # nothing else touched
-    rk, rv = layout.read(buf, slots)
-    assert torch.equal(rk, k) and torch.equal(rv, v)
-
-
-def test_a_layout_that_is_not_five_plain_axes_is_refused():
-    from kvcli.integrations import paged
-
-    def split_keys(num_blocks, block_size, heads, dim):  # paged attention v1 key cache: dim split by x
-        return (num_blocks, heads, dim // 8, block_size, 8)
-
-    with pytest.raises(paged.LayoutError, match="is not"):
-        paged.Layout.from_shape_fn(split_keys, block_size=16, num_kv_heads=3, head_size=64)
 
 
 def test_the_remote_store_finds_kvcli_home_as_the_engine_does(monkeypatch, tmp_path):
