@@ -183,11 +183,11 @@ def discover(root: str) -> Iterator[tuple[str, mf.Manifest | None, str | None]]:
             candidates = [root]
         else:
             candidates = sorted(objects.join(root, n) for n, e in names.items() if e.get("type") == "directory")
-        for url in candidates:
+        for url in candidates:  # the URL as given (credentials included) to read it; print it with objects.redact
             try:
-                yield objects.redact(url), objects.read_manifest(url), None
+                yield url, objects.read_manifest(url), None
             except KvcliError as exc:
-                yield objects.redact(url), None, str(exc)
+                yield url, None, str(exc)
         return
     base = Path(root)
     if not base.is_dir():

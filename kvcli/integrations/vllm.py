@@ -217,8 +217,8 @@ class KvcliConnector(KVConnectorBase_V1):
         if self._refused.get(location) == reason:
             return
         self._refused[location] = reason
-        logger.warning("KvcliConnector: refusing cache %s: %s", location, reason)
-        self._stats(event="refused", cache=location, reason=reason)
+        logger.warning("KvcliConnector: refusing cache %s: %s", _printable(location), reason)
+        self._stats(event="refused", cache=_printable(location), reason=reason)
 
     def _drop(self, entry: cx.Entry) -> None:
         index = cx.CacheIndex(self._block_size)
@@ -248,7 +248,7 @@ class KvcliConnector(KVConnectorBase_V1):
                 started = time.perf_counter()
                 store.verify(local)
                 self._ready[entry.location] = (local, signature)
-                self._stats(event="verified", cache=entry.location, seconds=round(time.perf_counter() - started, 4))
+                self._stats(event="verified", cache=_printable(entry.location), seconds=round(time.perf_counter() - started, 4))
             return local
         except (KvcliError, OSError) as exc:
             self._refuse(entry.location, str(exc))
@@ -283,7 +283,7 @@ class KvcliConnector(KVConnectorBase_V1):
             if local is not None:
                 break
         new = n - num_computed_tokens
-        self._stats(event="match", request=request.request_id, cache=entry.location, prompt_tokens=len(ids),
+        self._stats(event="match", request=request.request_id, cache=_printable(entry.location), prompt_tokens=len(ids),
                     matched_tokens=n, local_computed=num_computed_tokens, load_tokens=max(new, 0))
         if new <= 0:
             return 0, False
