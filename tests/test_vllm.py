@@ -214,10 +214,13 @@ def test_loaded_blocks_equal_the_blocks_vllms_own_prefill_writes(runs):
 
 
 def test_the_cpu_backends_block_interior_as_its_own_kernel_writes_it(runs, corpus):
-    """What vLLM's own prefill wrote, read the way CPUAttentionBackendImpl.do_kv_cache_update views it
-    ([blocks, heads, block, 2 * dim] as [blocks, heads, 2 * block, dim]: the block's keys, then its values),
-    equals kvcli's cache; read as one token per row of the declared shape (ExampleConnector's
-    layer[block, :, offset]) it does not. The connector relies on neither: it writes through the kernel."""
+    """What vLLM's own prefill wrote, read back: CPUAttentionBackendImpl views its [blocks, heads, block, 2 * dim]
+    buffer as [blocks, heads, 2 * block, dim] split in two (keys, then values), and its kernel
+    (cpu_attn_reshape_and_cache, the "vec" ISA used for float32 here) stores each block's keys TRANSPOSED,
+    [dim, block] (channel-major), and its values as [block, dim] rows. Read as one token per row of the declared
+    shape (ExampleConnector's layer[block, :, offset]), neither keys nor values come out. This is why the
+    connector writes through the layer's own do_kv_cache_update and never by index: the interior is the
+    kernel's (and differs again for other ISAs, e.g. AMX for bfloat16)."""
     import torch
 
     from kvcli.format import codec, store
@@ -230,12 +233,16 @@ def test_the_cpu_backends_block_interior_as_its_own_kernel_writes_it(runs, corpu
                                   key_shape=e.key_shape, value_shape=e.value_shape, decoded_bytes=e.decoded_bytes)
     block = own[name][0]  # the request's first block: [heads, block_size, 2 * head_dim]
     heads, n, two_d = block.shape
+    d = two_d // 2
     assert (heads, n, two_d) == (3, BLOCK, 128)
-    rows = block.reshape(heads, 2 * n, two_d // 2)
-    scale = float(k.abs().max())
-    assert float((rows[:, :n] - k[0, :, :n]).abs().max()) < 1e-4 * scale
-    assert float((rows[:, n:] - v[0, :, :n]).abs().max()) < 1e-4 * float(v.abs().max())
-    assert float((block[:, :, : two_d // 2] - k[0, :, :n]).abs().max()) > 0.1 * scale
+    halves = block.reshape(heads, 2 * n * d)
+    keys = halves[:, : n * d].reshape(heads, d, n).transpose(1, 2)  # [heads, tokens, dim]
+    values = halves[:, n * d:].reshape(heads, n, d)
+    ks, vs = float(k.abs().max()), float(v.abs().max())
+    assert float((keys - k[0, :, :n]).abs().max()) < 1e-4 * ks
+    assert float((values - v[0, :, :n]).abs().max()) < 1e-4 * vs
+    assert float((block[:, :, :d] - k[0, :, :n]).abs().max()) > 0.1 * ks  # one token per row: wrong
+    assert float((block[:, :, d:] - v[0, :, :n]).abs().max()) > 0.1 * vs
 
 
 def test_the_chat_api_with_kvcli_framing_hits_the_cache(runs):
