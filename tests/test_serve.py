@@ -57,7 +57,7 @@ def here(world, server, monkeypatch):
 
 
 def served_count(server) -> int:
-    return sum(c["served"] for c in server.server.warm.status()["caches"])
+    return sum(c["answers"] for c in server.server.warm.status()["caches"])
 
 
 def test_plain_answers_are_byte_identical(here, server):
@@ -285,7 +285,7 @@ def test_ps_shows_what_is_held(here, server):
     assert result.exit_code == 0, result.stderr
     s = json.loads(result.stdout)
     assert s["pid"] == os.getpid() and s["protocol"] == protocol.PROTOCOL_VERSION
-    assert any(c["path"] == str(here / "ref-a.kv") and c["served"] >= 1 and c["bytes"] > 0 for c in s["caches"])
+    assert any(c["path"] == str(here / "ref-a.kv") and c["answers"] >= 1 and c["bytes"] > 0 for c in s["caches"])
     assert s["models"] and s["bytes"] <= s["max_memory"]
     human = run("ps", env={"COLUMNS": "250"})
     assert human.exit_code == 0 and "ref-a.kv" in human.stdout and str(server.path) in human.stdout
