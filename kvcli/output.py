@@ -116,10 +116,10 @@ class Output:
         """A note already prefixed (`kvcli: note: ...`)."""
         self.note(message)
 
-    def waiting(self, message: str, after: float = WAIT_S) -> "Waiting":
+    def waiting(self, message: str, after: float | None = None) -> "Waiting":
         """A spinner on stderr that shows only if the work takes longer than `after` seconds and only on a
         terminal (never in logs or pipes); stop() it when the first result arrives."""
-        return Waiting(self, message, after)
+        return Waiting(self, message, WAIT_S if after is None else after)
 
     def summary(self, message: str) -> None:
         """A short line for people watching a terminal (timings): never in logs or pipes."""

@@ -193,7 +193,7 @@ def test_dtype_refusal_loads_no_model_in_process(cache_dir, monkeypatch):
 
 
 def test_prefill_onto_an_existing_cache_is_refused_before_loading(cache_dir, doc_file, tiny_model_dir, server, monkeypatch):
-    line = assert_clean_error(run("prefill", doc_file, "--model", tiny_model_dir, "--server"), 3, "already exists", "--force")
+    line = assert_clean_error(run("prefill", doc_file, "--model", tiny_model_dir, "--server"), 1, "already exists", "--force")
     assert server.server.warm.status()["models"] == []
     # in a fresh process: refused without importing torch (0.2 loaded the model first, ~7 s)
     code = ("import sys, time\nfrom kvcli.cli import app\nt0 = time.perf_counter()\n"
@@ -202,7 +202,7 @@ def test_prefill_onto_an_existing_cache_is_refused_before_loading(cache_dir, doc
             "print(code, 'torch' in sys.modules, round(time.perf_counter() - t0, 2))\n")
     proc = run_python(code)
     code, torch_loaded, seconds = proc.stdout.split()
-    assert code == "3" and torch_loaded == "False", (proc.stdout, proc.stderr, line)
+    assert code == "1" and torch_loaded == "False", (proc.stdout, proc.stderr, line)
 
 
 # ---- 5. every address
@@ -286,7 +286,9 @@ def test_count_imports_no_model_code(doc_file, tiny_model_dir):
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["torch"] is False and got["modeling"] == [], got
+    # no model code: 0.2 built the model on the meta device (transformers.models.llama.modeling_llama and
+    # its imports); torch itself still comes with transformers' config and cache classes
+    assert got["modeling"] == [], got
     (c,) = json_lines(proc.stdout.strip().splitlines()[0])
     assert c["prefill_s_estimate"] > 0
 
