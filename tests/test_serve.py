@@ -66,7 +66,7 @@ def test_plain_answers_are_byte_identical(here, server):
     served, local = run(*args), run(*args, "--no-server")
     assert served.exit_code == local.exit_code == 0, served.stderr
     assert served_count(server) == before + len(QUESTIONS)
-    assert served.stdout == local.stdout and served.stdout.count("\n") == len(QUESTIONS)
+    assert served.stdout == local.stdout and served.stdout.count("==> ") == len(QUESTIONS)
     assert served.stderr == local.stderr
     nul = run(*args, "-0", "--stop", "e")
     assert nul.stdout == run(*args, "-0", "--stop", "e", "--no-server").stdout and nul.stdout.count("\0") == len(QUESTIONS)
@@ -95,7 +95,7 @@ def test_questions_of_one_request_decode_together(here, server):
     apart = run(*args, "-c", "apart.kv", "--server", "--batch-size", "1")
     local = run(*args, "-c", "together.kv", "--no-server", "--batch-size", "1")
     assert together.exit_code == apart.exit_code == local.exit_code == 0, together.stderr
-    assert together.stdout == apart.stdout == local.stdout and together.stdout.count("\n") == len(QUESTIONS)
+    assert together.stdout == apart.stdout == local.stdout and together.stdout.count("==> ") == len(QUESTIONS)
     assert _batch_of(server, here / "together.kv")["peak_rows"] == len(QUESTIONS)  # one forward pass ran all three
     assert _batch_of(server, here / "apart.kv")["peak_rows"] == 1  # --batch-size 1: one question at a time, as asked
     ps = json.loads(run("ps", "--json").stdout)
