@@ -206,6 +206,8 @@ class Waiting:
         self._out = out
         self._timer = None
         if out.interactive:
+            import rich.progress  # noqa: F401  (now, not in the timer: only on a terminal)
+
             self._timer = threading.Timer(after, self._show)
             self._timer.daemon = True
             self._timer.start()
