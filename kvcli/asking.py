@@ -4,7 +4,7 @@ The in-process CLI and the socket server both run `ask_events`; the CLI renders 
 (kvcli/rendering.py) exactly as it renders the events a server sends, so a served ask prints what an
 in-process one prints: warnings, per-cache errors, streamed text, answers, checks.
 
-Events (dicts, JSON-ready): warning {message}; error {message, hint, exit_code} (one cache of several
+Events (dicts, JSON-ready): warning {message, about: "cache" for the cache's own, once per chat}; error {message, hint, exit_code} (one cache of several
 failed); begin {index, question, cache}; text {text}; answer {index, answer}; check {index, message}.
 """
 
@@ -54,7 +54,7 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
             continue
         try:
             for warning in session.warnings:
-                emit({"event": "warning", "message": warning})
+                emit({"event": "warning", "message": warning, "about": "cache"})
             history = history_for(session)
             for q in questions:
                 warning = room_warning(session, shown(path), q, history, options.max_new_tokens)

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from .errors import KvcliError
 
+WAIT_S = 2.0  # a question still without its first text after this long gets a spinner on a terminal's stderr
 EXIT_PIPE = 141  # stdout closed early: what a shell reports for a process ended by SIGPIPE (128 + 13)
 
 
@@ -92,7 +93,12 @@ class Output:
         self.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
     def table(self, table: Any) -> None:
-        _StdoutConsole(soft_wrap=True).print(table)
+        """A rich table on a terminal; on a pipe or file every value in full, never cut: a `# TITLE` line,
+        then a header line and one line per row, fields separated by tabs (--json stays the machine format)."""
+        if self.stdout_terminal:
+            _StdoutConsole(soft_wrap=True).print(table)
+        else:
+            self.write("".join(line + "\n" for line in tab_separated(table)))
 
     def read_line(self, prompt: str) -> str | None:
         """One line from stdin, None at its end; the prompt goes to stderr, and only on a terminal."""
@@ -105,6 +111,15 @@ class Output:
     def note(self, message: str) -> None:
         if not self.quiet:
             self.err.print(message, markup=False)
+
+    def raw_note(self, message: str) -> None:
+        """A note already prefixed (`kvcli: note: ...`)."""
+        self.note(message)
+
+    def waiting(self, message: str, after: float | None = None) -> "Waiting":
+        """A spinner on stderr that shows only if the work takes longer than `after` seconds and only on a
+        terminal (never in logs or pipes); stop() it when the first result arrives."""
+        return Waiting(self, message, WAIT_S if after is None else after)
 
     def summary(self, message: str) -> None:
         """A short line for people watching a terminal (timings): never in logs or pipes."""
@@ -158,6 +173,66 @@ class Output:
             return
         with self.err.status(message):
             yield
+
+
+def _plain(cell: Any) -> str:
+    text = cell.plain if hasattr(cell, "plain") else str(cell)
+    return " ".join(text.replace("\t", " ").splitlines())
+
+
+def tab_separated(table: Any) -> list[str]:
+    """The lines of a rich Table (or Text) as plain tab-separated text, every value whole."""
+    if not hasattr(table, "columns"):
+        return [_plain(table)]
+    lines = [f"# {_plain(table.title)}"] if table.title else []
+    if table.show_header:
+        lines.append("\t".join(_plain(c.header) for c in table.columns))
+    cells = [list(c.cells) for c in table.columns]
+    for row in zip(*cells):
+        lines.append("\t".join(_plain(v) for v in row))
+    return lines
+
+
+class Waiting:
+    """A delayed spinner (Output.waiting): a timer starts rich's status after `after` seconds; stop() ends either."""
+
+    def __init__(self, out: Output, message: str, after: float):
+        import threading
+
+        self._lock = threading.Lock()
+        self._status = None
+        self._stopped = False
+        self._message = message
+        self._out = out
+        self._timer = None
+        if out.interactive:
+            import rich.progress  # noqa: F401  (now, not in the timer: only on a terminal)
+
+            self._timer = threading.Timer(after, self._show)
+            self._timer.daemon = True
+            self._timer.start()
+
+    @property
+    def shown(self) -> bool:
+        return self._status is not None
+
+    def _show(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # only on a terminal
+
+            self._status = Progress(SpinnerColumn(), TextColumn(self._message), TimeElapsedColumn(), console=self._out.err, transient=True)
+            self._status.add_task(self._message, total=None)
+            self._status.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            if self._timer is not None:
+                self._timer.cancel()
+            if self._status is not None:
+                self._status.stop()
 
 
 def debug_enabled() -> bool:

@@ -21,26 +21,62 @@ def timing(a: dict[str, Any]) -> str:
     return line + (" (stopped at --max-new-tokens)" if a["finish_reason"] == "length" else "")
 
 
+def separator(label: str, first: bool) -> str:
+    """The line before each answer of several on a pipe or file: `==> QUESTION <==` (`==> CACHE: QUESTION <==`
+    with several caches; the question on one line), with a blank line after the previous answer."""
+    return ("" if first else "\n") + f"==> {' '.join(label.split())} <==\n"
+
+
+def cut_note(a: dict[str, Any], label: str | None) -> str:
+    """The stderr note for an answer --max-new-tokens cut short (it would otherwise look finished)."""
+    n = len(a["answer_token_ids"])
+    which = f"the answer to {' '.join(label.split())!r}" if label else "the answer"
+    return f"kvcli: note: {which} was cut at {n} token{'s' * (n != 1)} (--max-new-tokens); it may be unfinished"
+
+
 class AskRenderer:
     """Renders one ask's events: answers on stdout (plain, NUL-ended or JSON lines), the rest on stderr.
 
     caches: the caches as the user spelled them (JSON lines name those); served: the JSON lines' flag."""
 
     def __init__(self, out: Output, caches: Sequence[str], *, questions: int, json_out: bool = False, null: bool = False,
-                 served: bool = False):
+                 served: bool = False, once: set | None = None):
+        self.once = once  # warnings already shown (a served chat: its cache's warnings once, not at every turn)
         self.out, self.caches, self.json_out, self.null, self.served = out, list(caches), json_out, null, served
-        self.several = len(self.caches) * questions > 1 and not json_out and not null  # headings, on a terminal only
+        # headings (terminal) or separator lines (pipe, file) name each of several plain answers; -0 and --json need none
+        self.several = len(self.caches) * questions > 1 and not json_out and not null
+        self.multiple = len(self.caches) * questions > 1
         self.answers: list[dict[str, Any]] = []
+        self._labels: dict[int, str] = {}  # cache index -> the question now answered there
+        self._separated = 0
+        self._waiting = None  # the "working" spinner of a question whose first text has not come yet
+
+    def _label(self, index: int, question: str) -> str:
+        return f"{self.caches[index]}: {question}" if len(self.caches) > 1 else question
+
+    def _stop_waiting(self) -> None:
+        if self._waiting is not None:
+            self._waiting.stop()
+            self._waiting = None
 
     def __call__(self, ev: dict[str, Any]) -> None:
         kind, out = ev.get("event"), self.out
+        if kind != "begin":
+            self._stop_waiting()
         if kind == "text":
             out.write(ev["text"])
         elif kind == "begin":
             out.check_stdout()  # a reader that left (`| head -1`) cancels the questions still to come
+            label = self._label(ev["index"], ev["question"])
+            self._labels[ev["index"]] = ev["question"]
             if self.several:
-                cache = self.caches[ev["index"]]
-                out.heading(f"{cache}: {ev['question']}" if len(self.caches) > 1 else ev["question"])
+                if out.stdout_terminal:
+                    out.heading(label)
+                else:
+                    out.write(separator(label, self._separated == 0))
+                self._separated += 1
+            self._stop_waiting()
+            self._waiting = out.waiting(f"working on the question ({len(ev['question']):,} characters)")
         elif kind == "answer":
             a = {**ev["answer"], "cache": self.caches[ev["index"]]}
             self.answers.append(a)
@@ -49,10 +85,16 @@ class AskRenderer:
             else:
                 out.write("\0" if self.null else "\n")
             out.summary(timing(a))
+            if a.get("finish_reason") == "length" and not self.json_out:
+                out.raw_note(cut_note(a, self._label(ev["index"], a.get("question", "")) if self.multiple else None))
         elif kind == "check":
             if not self.json_out:
                 out.note(ev["message"])
         elif kind == "warning":
+            if self.once is not None and ev.get("about") == "cache":
+                if ev["message"] in self.once:
+                    return
+                self.once.add(ev["message"])
             out.warn(ev["message"])
         elif kind == "note":
             out.note(ev["message"])

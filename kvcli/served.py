@@ -82,11 +82,13 @@ def answers(require: Optional[bool]) -> bool:
     return False
 
 
-def chat_turn(out: Output, fields: dict, question: str, cache: str, model: Optional[str], json_out: bool) -> tuple[int, dict]:
-    """One turn of a served chat: (exit code, the fields of the next turn, with the conversation so far as history)."""
+def chat_turn(out: Output, fields: dict, question: str, cache: str, model: Optional[str], json_out: bool,
+              shown_warnings: Optional[set] = None) -> tuple[int, dict]:
+    """One turn of a served chat: (exit code, the fields of the next turn, with the conversation so far as history).
+    shown_warnings: the cache's warnings already printed in this chat (printed once, as in-process)."""
     from .rendering import AskRenderer
 
-    render = AskRenderer(out, [cache], questions=1, json_out=json_out, served=True)
+    render = AskRenderer(out, [cache], questions=1, json_out=json_out, served=True, once=shown_warnings)
     code = run(out, True, "ask", {**fields, "questions": [question]}, [cache, model], render=render)
     if code or not render.answers:
         return code or 1, fields

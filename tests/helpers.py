@@ -34,6 +34,16 @@ def assert_clean_error(result, code: int, *needles: str) -> str:
     return lines[0]
 
 
+def piped(answers: list[dict], several_caches: bool = False) -> str:
+    """What `kvcli ask` prints on a pipe for these `--json` answers: each after its `==> QUESTION <==` line."""
+    from kvcli.rendering import separator
+
+    if len(answers) == 1:
+        return answers[0]["answer"] + "\n"
+    return "".join(separator(f"{a['cache']}: {a['question']}" if several_caches else a["question"], i == 0) + a["answer"] + "\n"
+                   for i, a in enumerate(answers))
+
+
 def json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 

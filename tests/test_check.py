@@ -14,7 +14,7 @@ from kvcli.documents import decode
 from kvcli.errors import CHECK_DIFFERS_EXIT, CacheMismatchError
 from kvcli.format import manifest as mf
 from tests.conftest import reference_answer, sample_text
-from tests.helpers import assert_clean_error, json_lines, run
+from tests.helpers import assert_clean_error, json_lines, run, piped
 
 QUESTIONS = ("What does the word Licensor mean?", "Is the Work provided with any warranty?")
 OPTS = kvcli.GenerationOptions(max_new_tokens=10)
@@ -117,12 +117,12 @@ def test_cli_check_plain_prints_one_stderr_line_per_answer(cli_cache):
     assert result.exit_code == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("kvcli: check:")]
     assert len(lines) == 2 and all("identical to a full recompute over 8 tokens" in line for line in lines), result.stderr
-    assert len(result.stdout.splitlines()) == 2 and "check" not in result.stdout
+    assert result.stdout.count("==> ") == 2 and "check" not in result.stdout  # two answers, each after its separator line
     as_json = run("ask", "-c", cli_cache, "--check", "--json", "--max-new-tokens", "8", *QUESTIONS)
     assert as_json.exit_code == 0 and "kvcli: check:" not in as_json.stderr
     answers = json_lines(as_json.stdout)
     assert [a["check"]["identical"] for a in answers] == [True, True] and answers[0]["check"]["tokens"] == 8
-    assert result.stdout == "".join(a["answer"] + "\n" for a in answers)
+    assert result.stdout == piped(answers)
 
 
 def test_cli_help_says_check_costs_a_recompute():
@@ -156,7 +156,7 @@ def test_cli_check_exits_4_when_an_answer_differs_and_still_prints_it(cli_cache,
 
     result = run("ask", "-c", forged, "--check", "--max-new-tokens", "8", *QUESTIONS)
     assert result.exit_code == CHECK_DIFFERS_EXIT == 4, result.stderr
-    assert len(result.stdout.splitlines()) == 2  # the answers are still printed
+    assert result.stdout.count("==> ") == 2  # the answers are still printed
     lines = [line for line in result.stderr.splitlines() if line.startswith("kvcli: check:")]
     assert len(lines) == 2 and any("DIFFERS from a full recompute at answer token" in line for line in lines)
     assert "Traceback" not in result.stderr
@@ -173,7 +173,7 @@ def test_cli_check_on_a_quantized_cache_reports_agreement_and_exits_4_only_if_an
     assert made.exit_code == 0, made.stderr
     result = run("ask", "-c", q8, "--check", "--max-new-tokens", "8", *QUESTIONS)
     lines = [line for line in result.stderr.splitlines() if line.startswith("kvcli: check:")]
-    assert len(lines) == 2 and len(result.stdout.splitlines()) == 2, result.stderr
+    assert len(lines) == 2 and result.stdout.count("==> ") == 2, result.stderr
     assert all("8-bit cache (lossy, differences expected)" in line and "answer tokens" in line and "mean KL" in line
                for line in lines), lines
     answers = json_lines(run("ask", "-c", q8, "--check", "--json", "--max-new-tokens", "8", *QUESTIONS).stdout)

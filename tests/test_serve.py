@@ -57,7 +57,7 @@ def here(world, server, monkeypatch):
 
 
 def served_count(server) -> int:
-    return sum(c["served"] for c in server.server.warm.status()["caches"])
+    return sum(c["answers"] for c in server.server.warm.status()["caches"])
 
 
 def test_plain_answers_are_byte_identical(here, server):
@@ -66,7 +66,7 @@ def test_plain_answers_are_byte_identical(here, server):
     served, local = run(*args), run(*args, "--no-server")
     assert served.exit_code == local.exit_code == 0, served.stderr
     assert served_count(server) == before + len(QUESTIONS)
-    assert served.stdout == local.stdout and served.stdout.count("\n") == len(QUESTIONS)
+    assert served.stdout == local.stdout and served.stdout.count("==> ") == len(QUESTIONS)
     assert served.stderr == local.stderr
     nul = run(*args, "-0", "--stop", "e")
     assert nul.stdout == run(*args, "-0", "--stop", "e", "--no-server").stdout and nul.stdout.count("\0") == len(QUESTIONS)
@@ -95,7 +95,7 @@ def test_questions_of_one_request_decode_together(here, server):
     apart = run(*args, "-c", "apart.kv", "--server", "--batch-size", "1")
     local = run(*args, "-c", "together.kv", "--no-server", "--batch-size", "1")
     assert together.exit_code == apart.exit_code == local.exit_code == 0, together.stderr
-    assert together.stdout == apart.stdout == local.stdout and together.stdout.count("\n") == len(QUESTIONS)
+    assert together.stdout == apart.stdout == local.stdout and together.stdout.count("==> ") == len(QUESTIONS)
     assert _batch_of(server, here / "together.kv")["peak_rows"] == len(QUESTIONS)  # one forward pass ran all three
     assert _batch_of(server, here / "apart.kv")["peak_rows"] == 1  # --batch-size 1: one question at a time, as asked
     ps = json.loads(run("ps", "--json").stdout)
@@ -285,7 +285,7 @@ def test_ps_shows_what_is_held(here, server):
     assert result.exit_code == 0, result.stderr
     s = json.loads(result.stdout)
     assert s["pid"] == os.getpid() and s["protocol"] == protocol.PROTOCOL_VERSION
-    assert any(c["path"] == str(here / "ref-a.kv") and c["served"] >= 1 and c["bytes"] > 0 for c in s["caches"])
+    assert any(c["path"] == str(here / "ref-a.kv") and c["answers"] >= 1 and c["bytes"] > 0 for c in s["caches"])
     assert s["models"] and s["bytes"] <= s["max_memory"]
     human = run("ps", env={"COLUMNS": "250"})
     assert human.exit_code == 0 and "ref-a.kv" in human.stdout and str(server.path) in human.stdout

@@ -52,7 +52,7 @@ def here(world, monkeypatch):
 
 
 def _served(world) -> dict[str, int]:
-    return {os.path.basename(c["path"]): c["served"] for c in world["server"].server.warm.status()["caches"]}
+    return {os.path.basename(c["path"]): c["answers"] for c in world["server"].server.warm.status()["caches"]}
 
 
 def test_http_and_socket_clients_share_one_warm_session(world, here):

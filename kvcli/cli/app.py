@@ -7,15 +7,45 @@ import traceback
 from typing import Annotated
 
 import typer
-from typer.core import TyperArgument, TyperCommand
+from typer.core import TyperArgument, TyperCommand, TyperGroup
+from typer._click import exceptions as click_errors  # typer's own click: its exceptions are the ones raised
 
 from .. import __version__
-from ..errors import KvcliError
+from ..errors import KvcliError, UsageError
 from ..output import EXIT_PIPE, Output, debug_enabled, is_broken_pipe, stdout_gone
 
 EXIT_CODES = ("Exit codes: 0 ok, 1 failure, 2 usage error, 3 cache missing/corrupt/stale (rebuild it), "
               "4 ask --check: an answer differs from a full recompute.")
+
+
+def _one_shape(parse):
+    """Wrap a click parsing step so every usage error it raises (typer's range and choice checks, an
+    unknown option or command, a missing value) takes kvcli's one documented shape: `kvcli: error: ...`
+    and a hint naming --help on stderr, exit 2."""
+
+    @functools.wraps(parse)
+    def wrapper(*args, **kwargs):
+        try:
+            return parse(*args, **kwargs)
+        except click_errors.NoArgsIsHelpError:
+            raise  # plain `kvcli` / a bare group: help, not an error
+        except click_errors.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "kvcli"
+            Output().error(exc.format_message(), f"'{where} --help' lists the options")
+            raise typer.Exit(UsageError.exit_code) from None
+
+    return wrapper
+
+
+class _Group(TyperGroup):
+    """The root group: an unknown command or option gets the one-line error shape too."""
+
+    make_context = _one_shape(TyperGroup.make_context)
+    resolve_command = _one_shape(TyperGroup.resolve_command)
+
+
 app = typer.Typer(
+    cls=_Group,
     help=f"Prefill a long document once into a compressed KV cache, then ask it many questions. {EXIT_CODES}",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -25,7 +55,10 @@ app = typer.Typer(
 
 
 class _Help(TyperCommand):
-    """Plain click-style help: metavars and choices, not typer's type labels (<bool>, <list[str]>)."""
+    """Plain click-style help: metavars and choices, not typer's type labels (<bool>, <list[str]>);
+    usage errors (typer's range and choice checks included) in kvcli's one-line shape."""
+
+    make_context = _one_shape(TyperCommand.make_context)
 
     def format_options(self, ctx, formatter) -> None:
         rows: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}

@@ -53,9 +53,10 @@ def chat(
                   "stream": not json_out}
         if earlier is not None:
             fields.update(follow_up=earlier, follow_up_name=str(follow_up))
+        shown_warnings: set[str] = set()  # the cache's warnings once per chat, as in-process (each turn is a request)
         while (line := out.read_line("> ")) is not None:
             if line.strip():
-                code, fields = served.chat_turn(out, fields, line, str(cache), model, json_out)
+                code, fields = served.chat_turn(out, fields, line, str(cache), model, json_out, shown_warnings)
                 if code:
                     raise typer.Exit(code)
         return 0
@@ -65,6 +66,9 @@ def chat(
     opts = an.GenerationOptions(**{**options, "stop": tuple(stop)})
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     local = local_cache(cache, out)
+    from .ask import _check_request
+
+    _check_request(local, shown(cache), dtype, convert_dtype)
     with out.status(f"loading {shown(cache)}"):
         session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
     for warning in session.warnings:
@@ -73,8 +77,13 @@ def chat(
     from ..rendering import AskRenderer
 
     render = AskRenderer(out, [shown(cache)], questions=1, json_out=json_out)  # as a served chat renders its answers
+    from ..asking import room_warning
+
     while (line := out.read_line("> ")) is not None:
         if line.strip():
+            warning = room_warning(session, shown(cache), line, talk.history, opts.max_new_tokens)  # as a served turn warns
+            if warning:
+                render({"event": "warning", "message": warning})
             a = talk.ask(line, opts, on_text=None if json_out else out.write)
             render({"event": "answer", "index": 0, "answer": a.to_json()})
     return 0

@@ -66,9 +66,6 @@ def prefill(
                           prefilled=lambda i, r: _prefilled(out, *targets[i], r, json_out, True))
         if code is not None:
             return code
-    from ..engine.model import models
-    from ..engine import prefilling as pf
-
     failed: list[KvcliError] = []
 
     def report(exc: KvcliError) -> None:
@@ -78,11 +75,18 @@ def prefill(
         failed.append(exc)
 
     ready = []
-    for doc, target in targets:  # read every document first: a bad one fails before the model loads
+    for doc, target in targets:  # check every target and read every document first: a bad one fails before the model loads
         try:
+            writing.check_target(target, force=force, folder_made=folder is not None)
             ready.append((doc, documents.read(doc, encoding), target))
         except KvcliError as exc:
             report(exc)
+    if not ready:
+        out.error(f"{len(failed)} of {len(targets)} documents failed")
+        return 1
+    from ..engine.model import models  # imported only now: a refused request costs no torch import
+    from ..engine import prefilling as pf
+
     if ready:
         if folder is not None:
             writing.make_folder(folder)

@@ -58,7 +58,9 @@ def serve(
             args += ["--http", http_at, *[a for d in docs for a in ("--docs", str(d))]]
         pid = sv.detach(path, args, env={"KVCLI_API_KEY": api_key} if api_key else None)  # the key never on a command line
         out.write(f"{pid}\n")
-        out.note(f"serving on {path} (log: {sv.log_path()})")
+        reply = client.call(path, "status") or {}
+        addresses = (reply.get("status") or {}).get("addresses") or {"socket": str(path)}
+        out.note(f"serving on {_addresses(addresses)} (log: {sv.log_path()})")
         return 0
     from ..serve.warm import Warm
 
@@ -70,6 +72,7 @@ def serve(
         from ..serve.docs import WarmProvider
 
         web = http.start(host, port, provider=WarmProvider(server.warm, docs, on_use=server.touch), api_key=api_key)
+        server.listening("http", web.base_url)
         out.note(f"OpenAI-compatible endpoint on {web.base_url} for the caches in {', '.join(map(str, docs))}")
     try:
         server.serve_forever()
@@ -77,6 +80,11 @@ def serve(
         if web is not None:
             web.stop()
     return 0
+
+
+def _addresses(addresses: dict) -> str:
+    """Every address a server listens on: `socket PATH and http http://HOST:PORT`."""
+    return " and ".join(f"{kind} {where}" for kind, where in addresses.items())
 
 
 @command
@@ -102,17 +110,20 @@ def ps(
         out.json_doc(s)
         return 0
     now = time.time()
-    out.table(Text(f"pid {s['pid']} on {s['socket']}, up {human_age(s['uptime_s'])}, {human_bytes(s['bytes'])} of {human_bytes(s['max_memory'])} held, "
-             f"{s['done']} requests answered, {s['active']} active, {s['cancelled']} cancelled"))
-    models = Table("model", "dtype", "device", "memory", "last used", "answers", "decoding", title="models")
+    from ..serve.server import counters_line
+
+    out.table(Text(f"pid {s['pid']} on {_addresses(s.get('addresses') or {'socket': s['socket']})}, up {human_age(s['uptime_s'])}, "
+                   f"{human_bytes(s['bytes'])} of {human_bytes(s['max_memory'])} held, {s['active']} active"))
+    out.table(Text(counters_line(s)))
+    models = Table("model", "dtype", "device", "memory", "last used", "answers", "prefills", "decoding", title="models")
     for m in s["models"]:
         models.add_row(Text(str(m["name"])), m["dtype"], m["device"], human_bytes(m["bytes"]), human_age(now - m["last_used"]) + " ago",
-                       str(m["served"]), m.get("decoding") or "idle")
+                       str(m["answers"]), str(m.get("prefills", 0)), m.get("decoding") or "idle")
     caches = Table("cache", "tokens", "model", "memory", "last used", "answers", "most together", title="caches")
     for c in s["caches"]:
         b = c.get("batch")  # questions one decoding step ran at most, of the batch's width
         caches.add_row(Text(c["path"]), f"{c['num_tokens']:,}", Text(str(c["model"])), human_bytes(c["bytes"]), human_age(now - c["last_used"]) + " ago",
-                       str(c["served"]), f"{b['peak_rows']} of {b['width']}" if b else "1")
+                       str(c["answers"]), f"{b['peak_rows']} of {b['width']}" if b else "1")
     out.table(models)
     out.table(caches)
     return 0

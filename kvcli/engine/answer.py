@@ -35,7 +35,8 @@ class Session:
             fit.check_fits(self.manifest, lm, str(self.path), convert_dtype=convert_dtype)
             self.cache = restore.load_cache(opened, device=lm.device, dtype=lm.dtype)  # the document (rows decoded one at a time grow it, then rewind)
         self.framing = fr.Framing.from_record(self.manifest.framing)
-        self.warnings = _version_warnings(self.manifest, self.path) + _provenance_warnings(self.manifest, lm, self.path)
+        self.warnings = (_version_warnings(self.manifest, self.path) + _provenance_warnings(self.manifest, lm, self.path)
+                         + _dtype_warnings(self.manifest, lm, self.path))
         from .scheduling.scheduler import engine_for
 
         engine_for(lm).batched  # noqa: B018  decided now (the probe, once per model), not inside the first question
@@ -112,6 +113,15 @@ def _version_warnings(manifest, path: Path) -> list[str]:
     built, now = manifest.transformers_version, transformers.__version__
     if built.split(".")[:2] != now.split(".")[:2]:
         return [f"{path}: built with transformers {built}, running {now}; if answers look off, rebuild the cache"]
+    return []
+
+
+def _dtype_warnings(manifest, lm: LoadedModel, path: Path) -> list[str]:
+    """A cache computed in another dtype than the model now reading it (--convert-dtype): answers may differ."""
+    built, now = manifest.model.get("dtype"), lm.fingerprint.get("dtype")
+    if built and now and built != now:
+        return [f"{path}: keys/values computed in {built}, converted to {now} for this model (--convert-dtype); "
+                "answers may differ from the cache's own dtype"]
     return []
 
 

@@ -6,6 +6,7 @@ ratios measured in this repository (README, "Performance"), not promises.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ class Counter:
         self.kv_heads = getattr(text, "num_key_value_heads", None) or heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         self.max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-        self.params = _parameter_count(self.config)
+        self.params = _parameter_count(self.config, source)
 
     def count(self, document: Document) -> Count:
         n = len(fr.document_ids(self.tokenizer, self.framing, document.text))
@@ -68,20 +69,82 @@ class Counter:
 
 
 def _dtype_name(dtype: str, config: Any) -> str:
-    """The dtype prefill would compute in (auto: float32 on CPU, the model's own on an accelerator)."""
+    """The dtype prefill would compute in (auto: float32 on CPU, the model's own on an accelerator); torch is
+    imported only when an accelerator may be there to ask about."""
+    if dtype != "auto":
+        return dtype
+    if not _maybe_accelerator():
+        return "float32"
     from ..format.codec import dtype_name
 
     return dtype_name(models.pick_dtype(dtype, models.pick_device("auto"), config))
 
 
-def _parameter_count(config: Any) -> int | None:
-    """Parameters from the architecture alone (built on the meta device: no memory, no weights)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def _maybe_accelerator() -> bool:
+    """Whether a CUDA or MPS device might be present, without importing torch (false: surely the CPU)."""
+    import glob
+    import platform
+    import sys
 
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        return sum(p.numel() for p in model.parameters())
-    except Exception:  # an architecture transformers cannot build from its config alone: no time estimate
+    if "torch" in sys.modules:
+        return True
+    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/dxg") or os.path.exists("/proc/driver/nvidia")) or (
+        sys.platform == "darwin" and platform.machine() == "arm64")
+
+
+def _parameter_count(config: Any, source: dict | None = None) -> int | None:
+    """Parameters, without weights or torch: the safetensors headers of a local model folder (exact), else
+    from the config for a llama-like decoder (embeddings, attention, MLP, norms; within a few percent)."""
+    folder = _weights_folder(source)
+    if folder is not None:
+        n = _safetensors_count(folder)
+        if n:
+            return n
+    return _config_count(config)
+
+
+def _weights_folder(source: dict | None):
+    from pathlib import Path
+
+    if not source:
         return None
+    if source.get("kind") == "folder":
+        return Path(source["path"])
+    if source.get("kind") in ("default", "gguf"):
+        folder = models.kvcli_home() / "models" / f"gguf-{source['sha256'][:16]}"
+        return folder if folder.is_dir() else None
+    return None
+
+
+def _safetensors_count(folder) -> int | None:
+    """Sum of the tensors' element counts in *.safetensors headers (8-byte length, then JSON)."""
+    import json
+    import math
+    import struct
+
+    total = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
+        except (OSError, ValueError, struct.error):
+            return None
+        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return total or None
+
+
+def _config_count(config: Any) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        h, layers_n, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
+        heads = text.num_attention_heads
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        hd = getattr(text, "head_dim", None) or h // heads
+        inter = getattr(text, "intermediate_size", None) or 4 * h
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
+    mlp = (3 if getattr(text, "hidden_act", "silu") in ("silu", "swiglu") else 2) * h * inter
+    per_layer = h * heads * hd * 2 + 2 * h * kv * hd + mlp + 2 * h
+    tied = getattr(config, "tie_word_embeddings", True)
+    return vocab * h * (1 if tied else 2) + layers_n * per_layer + h

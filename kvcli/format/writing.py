@@ -134,12 +134,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@contextmanager
-def atomic_cache_dir(target: str | os.PathLike, *, force: bool) -> Iterator[Path]:
-    """Yield a fresh temporary directory; on success swap it into `target`, else remove it.
-
-    An existing cache is replaced only with force, and in one atomic step where the OS allows.
-    """
+def check_target(target: str | os.PathLike, *, force: bool, folder_made: bool = False) -> None:
+    """Whether a cache may be written at `target` (a reserved name, an existing cache without force, a file,
+    a missing output folder): asked again before any model loads, so a refusal costs no load.
+    folder_made: the output folder is created before writing (-o DIR for several documents)."""
     target = Path(target)
     if TMP_MARK in target.name:
         raise KvcliError(f"{target}: names containing '{TMP_MARK}' are reserved for kvcli's temporary folders")
@@ -148,8 +146,19 @@ def atomic_cache_dir(target: str | os.PathLike, *, force: bool) -> Iterator[Path
     if target.exists() and not target.is_dir():
         raise KvcliError(f"{target}: exists and is not a cache directory; refusing to replace it")
     parent = target.parent
-    if not parent.is_dir():
+    if not parent.is_dir() and not (folder_made and not parent.exists()):
         raise KvcliError(f"{parent}: output folder {'is not a folder' if parent.exists() else 'does not exist'}")
+
+
+@contextmanager
+def atomic_cache_dir(target: str | os.PathLike, *, force: bool) -> Iterator[Path]:
+    """Yield a fresh temporary directory; on success swap it into `target`, else remove it.
+
+    An existing cache is replaced only with force, and in one atomic step where the OS allows.
+    """
+    target = Path(target)
+    check_target(target, force=force)
+    parent = target.parent
     clean_stale(target)
     tmp = parent / f".{target.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:

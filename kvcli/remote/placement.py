@@ -30,8 +30,11 @@ def target_for(output: str | None, *, single: bool) -> Callable[[str], object]:
         folder = Path(output)
         if single and not (folder.is_dir() and not is_cache(folder)):
             return lambda entry: corpus.LocalTarget(folder)
-        if not folder.is_dir():
-            raise UsageError(f"{folder}: with several documents or --from-list, -o must be an existing folder")
+        if is_cache(folder) or (folder.exists() and not folder.is_dir()):
+            raise UsageError(f"{folder}: with several documents or --from-list, -o must be a folder")
+        from ..format.writing import make_folder
+
+        make_folder(folder)  # like mkdir -p, race-free: every task of a scheduler array may create it at once
         return lambda entry: corpus.LocalTarget(folder / corpus.cache_name(entry))
 
     def beside(entry: str):

@@ -103,6 +103,7 @@ class WarmProvider:
         if path is None:
             return None
         self.on_use()
+        self.warm.count("http_requests")
         held = self.warm.session(path, **self._open_args)
         lease = held.__enter__()  # CacheError here: nothing is held
 

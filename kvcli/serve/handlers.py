@@ -150,6 +150,7 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     """Prefill every document into its cache with the warm model, as cli.prefill does in-process."""
     from .. import documents
     from ..engine import prefilling as pf
+    from ..format import writing
 
     pairs = req.get("docs")
     if not isinstance(pairs, list) or not pairs or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in pairs):
@@ -166,8 +167,9 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
         failed.append(exc)
 
     ready = []
-    for index, (doc, target) in enumerate(pairs):
+    for index, (doc, target) in enumerate(pairs):  # every target and document checked before the model loads
         try:
+            writing.check_target(target, force=bool(req.get("force")))
             ready.append((index, documents.read(doc, req.get("encoding") or "utf-8"), target))
         except KvcliError as exc:
             report(exc)
@@ -197,6 +199,18 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     return 0
 
 
+def _control(conn: Connection, op: str, status: Callable[[], dict[str, Any]], stop: Callable[[], None]) -> None:
+    """ping, status and stop: answered at once, not counted as requests (looking with `ps` changes no counter)."""
+    if op == "ping":
+        s = status()
+        conn.send(protocol.event("done", exit_code=0, pid=s["pid"], version=s["version"], socket=s["socket"]))
+    elif op == "status":
+        conn.send(protocol.event("done", exit_code=0, status=status()))
+    else:
+        conn.send(protocol.event("done", exit_code=0, pid=status()["pid"]))
+        stop()
+
+
 def handle(conn: Connection, warm: Warm, status: Callable[[], dict[str, Any]], stop: Callable[[], None],
            log: Callable[[str], None]) -> str:
     """Serve one connection from request to final event; returns how it ended (for the counters)."""
@@ -208,24 +222,18 @@ def handle(conn: Connection, warm: Warm, status: Callable[[], dict[str, Any]], s
             return "refused"
         op = req["op"]
         conn.send(protocol.event("accepted", op=op))
-        if op == "ping":
-            s = status()
-            conn.send(protocol.event("done", exit_code=0, pid=s["pid"], version=s["version"], socket=s["socket"]))
-        elif op == "status":
-            conn.send(protocol.event("done", exit_code=0, status=status()))
-        elif op == "stop":
-            conn.send(protocol.event("done", exit_code=0, pid=status()["pid"]))
-            stop()
-        else:
-            try:
-                code = (ask if op == "ask" else prefill)(conn, warm, req)
-            except protocol.ProtocolError as exc:
-                conn.send(protocol.fail(f"bad request: {exc}"))
-                return "refused"
-            except KvcliError as exc:
-                conn.send(protocol.fail(str(exc), exc.exit_code, exc.hint))
-                return "failed"
-            conn.send(protocol.event("done", exit_code=code))
+        if op in ("ping", "status", "stop"):
+            _control(conn, op, status, stop)
+            return "control"
+        try:
+            code = (ask if op == "ask" else prefill)(conn, warm, req)
+        except protocol.ProtocolError as exc:
+            conn.send(protocol.fail(f"bad request: {exc}"))
+            return "refused"
+        except KvcliError as exc:
+            conn.send(protocol.fail(str(exc), exc.exit_code, exc.hint))
+            return "failed"
+        conn.send(protocol.event("done", exit_code=code))
         return "done"
     except Cancelled:
         if not conn.gone:  # the server is stopping: say so instead of leaving the client guessing

@@ -52,7 +52,10 @@ class Server:
         self.idle_timeout = idle_timeout
         self.log = log or (lambda message: None)
         self.started = time.time()
-        self.counts = {"requests": 0, "done": 0, "failed": 0, "refused": 0, "cancelled": 0, "busy": 0}
+        # socket requests (ask, prefill; not ping/status/stop, so looking with `ps` changes nothing), and how
+        # those that did not end well ended; answers, prefills and HTTP requests are counted by the Warm
+        self.counts = {"socket_requests": 0, "failed": 0, "refused": 0, "cancelled": 0, "busy": 0}
+        self.addresses: dict[str, str] = {"socket": str(self.path)}  # every address it listens on (`ps`, --detach)
         self._listener: socket.socket | None = None
         self._lock_fd: int | None = None
         self._stop = threading.Event()
@@ -123,6 +126,19 @@ class Server:
         if hard:
             self._hard.set()
 
+    def listening(self, kind: str, address: str) -> None:
+        """Record another address this server answers on (the HTTP endpoint), for `ps` and --detach."""
+        self.addresses[kind] = address
+
+    def counters(self) -> dict[str, int]:
+        """The one set of counters, named alike in `ps`, `ps --json` and the log (see COUNTERS)."""
+        with self._mutex:
+            mine = dict(self.counts)
+        w = self.warm.counters()
+        return {"requests": mine["socket_requests"] + w["http_requests"], "socket_requests": mine["socket_requests"],
+                "http_requests": w["http_requests"], "answers": w["answers"], "prefills": w["prefills"],
+                "failed": mine["failed"], "refused": mine["refused"], "cancelled": mine["cancelled"], "busy": mine["busy"]}
+
     def touch(self) -> None:
         """Count activity from outside the socket (HTTP requests) against --idle-timeout."""
         with self._mutex:
@@ -133,14 +149,14 @@ class Server:
             active = len(self._active - {threading.current_thread()})  # not counting the one asking
         return {"pid": os.getpid(), "socket": str(self.path), "version": __version__, "protocol": protocol.PROTOCOL_VERSION,
                 "started": self.started, "uptime_s": round(time.time() - self.started, 3), "active": active,
-                "idle_timeout": self.idle_timeout, **self.counts, **self.warm.status()}
+                "idle_timeout": self.idle_timeout, "addresses": dict(self.addresses), **self.warm.status(), **self.counters()}
 
     # ---- internals
     def _spawn(self, sock: socket.socket) -> None:
         with self._mutex:
-            self.counts["requests"] += 1
             self._last_activity = time.monotonic()
             if len(self._active) >= MAX_CLIENTS:
+                self.counts["socket_requests"] += 1
                 self.counts["busy"] += 1
                 try:
                     sock.settimeout(1.0)
@@ -160,7 +176,10 @@ class Server:
             outcome = handlers.handle(conn, self.warm, self.status, self.stop, self.log)
         finally:
             with self._mutex:
-                self.counts[outcome] = self.counts.get(outcome, 0) + 1
+                if outcome != "control":  # ping, status, stop
+                    self.counts["socket_requests"] += 1
+                if outcome in self.counts:
+                    self.counts[outcome] += 1
                 self._active.discard(threading.current_thread())
                 self._last_activity = time.monotonic()
 
@@ -192,7 +211,7 @@ class Server:
         for t in list(self._active):
             t.join(timeout=5.0)
         self._release_lock()
-        self.log(f"stopped ({self.counts['done']} requests done, {self.counts['cancelled']} cancelled)")
+        self.log(f"stopped ({counters_line(self.counters())})")
 
     def _remove_socket(self) -> None:
         try:
@@ -221,6 +240,14 @@ class Server:
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         return lambda: [signal.signal(s, h) for s, h in old.items()]
+
+
+COUNTERS = ("requests", "socket_requests", "http_requests", "answers", "prefills", "failed", "refused", "cancelled", "busy")
+
+
+def counters_line(counters: dict[str, Any]) -> str:
+    """The counters as `ps` and the log print them: `requests 3, socket_requests 2, ..., busy 0`."""
+    return ", ".join(f"{name} {counters.get(name, 0)}" for name in COUNTERS)
 
 
 def _prepare_folder(path: Path) -> None:

@@ -47,7 +47,8 @@ class _Entry:
     identity: tuple = ()  # caches: what says the directory is still the one restored
     model_key: str = ""  # caches: the model entry they were restored against
     users: int = 0
-    served: int = 0
+    answers: int = 0  # questions answered from it (a model: from any of its caches)
+    prefills: int = 0  # models: documents prefilled with it
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
 
@@ -89,7 +90,7 @@ class Lease:
         from ..engine.scheduling.scheduler import Left, Stopped
 
         def answered(i: int, a: Any) -> None:
-            self._warm._served(self._entry, self._model)
+            self._warm._served("answers", self._entry, self._model)
             if on_answer:
                 on_answer(i, a)
 
@@ -108,7 +109,8 @@ class HeldModel:
         self.lm = entry.obj
 
     def served(self) -> None:
-        self._warm._served(self._entry)
+        """One document prefilled with this model."""
+        self._warm._served("prefills", self._entry)
 
 
 def total_memory() -> int:
@@ -164,6 +166,7 @@ class Warm:
         self._mutex = threading.RLock()
         self._loading: dict[str, threading.Lock] = {}
         self.reloads = 0  # caches restored again because their directory was replaced
+        self._counters = {"answers": 0, "prefills": 0, "http_requests": 0}
 
     # ---- public API
     @contextmanager
@@ -212,12 +215,14 @@ class Warm:
             self._release(entry)
 
     def status(self) -> dict[str, Any]:
-        """Models and caches held: bytes, last use, answers served (JSON-ready)."""
+        """Models and caches held: bytes, last use, answers given, and the counters (JSON-ready)."""
         with self._mutex:
             entries = list(self._entries.values())
         rows = {"models": [], "caches": []}
         for e in reversed(entries):  # most recently used first
-            row = {**e.info, "bytes": e.nbytes, "loaded_at": e.loaded_at, "last_used": e.last_used, "served": e.served, "in_use": e.users}
+            row = {**e.info, "bytes": e.nbytes, "loaded_at": e.loaded_at, "last_used": e.last_used, "answers": e.answers, "in_use": e.users}
+            if e.kind == "model":
+                row["prefills"] = e.prefills
             lm = e.obj if e.kind == "model" else e.obj.lm
             engine = getattr(lm, "_engine", None)
             width = 1 if engine is not None and engine.mode == "one at a time" else (engine.width if engine else None) or self.batch_size
@@ -228,7 +233,18 @@ class Warm:
             else:
                 row["batch"] = {"width": width, **e.obj.stats}
             rows["models" if e.kind == "model" else "caches"].append(row)
-        return {"max_memory": self.max_memory, "bytes": sum(e.nbytes for e in entries), "reloads": self.reloads, **rows}
+        return {"max_memory": self.max_memory, "bytes": sum(e.nbytes for e in entries), "reloads": self.reloads, **self.counters(), **rows}
+
+    def counters(self) -> dict[str, int]:
+        """What every front end did with this Warm: `answers` (questions answered: the sum of the cache rows'
+        answers while they are held), `prefills` (documents prefilled), `http_requests` (HTTP requests that
+        opened a cache)."""
+        with self._mutex:
+            return dict(self._counters)
+
+    def count(self, name: str) -> None:
+        with self._mutex:
+            self._counters[name] = self._counters.get(name, 0) + 1
 
     def clear(self) -> None:
         """Drop everything not in use."""
@@ -276,10 +292,11 @@ class Warm:
             entry.last_used = time.time()
             self._evict()
 
-    def _served(self, *entries: _Entry) -> None:
+    def _served(self, what: str, *entries: _Entry) -> None:
         with self._mutex:
+            self._counters[what] += 1
             for e in entries:
-                e.served += 1
+                setattr(e, what, getattr(e, what) + 1)
                 e.last_used = time.time()
 
     def _fresh_cache(self, key: str, path: Path) -> _Entry | None:
@@ -310,7 +327,10 @@ class Warm:
             identity = _identity(path)  # taken before reading: a replace after this is caught next time
         except OSError:
             identity = ()
+        from ..engine.model import fit
+
         manifest = store.read_manifest(path)
+        fit.check_request(manifest, str(path), dtype=dtype, convert_dtype=convert_dtype)  # refused: nothing loads
         want = dtype or manifest.dtype
         source = models.resolve(model, revision=revision) if model else models.reload_source(manifest.model.get("source", {}))
         mkey = json.dumps(["model", source, device, want, trust_remote_code], sort_keys=True)

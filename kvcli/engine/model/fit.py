@@ -47,6 +47,16 @@ def check_fits(manifest: mf.Manifest, lm: LoadedModel, where: str, *, convert_dt
             )
 
 
+def check_request(manifest: mf.Manifest, where: str, *, dtype: str | None, convert_dtype: bool = False) -> None:
+    """What can be refused from the manifest alone, before any model loads (a refused request loads
+    nothing): a --dtype other than the cache's without --convert-dtype. check_fits says the same later."""
+    want = manifest.model
+    if dtype and dtype != "auto" and dtype != want.get("dtype") and not convert_dtype:
+        name = want.get("source", {}).get("name", want.get("name"))
+        raise CacheMismatchError(f"{where}: built for another model ({name}): differs in dtype (cache {want.get('dtype')}, "
+                                 f"model {dtype}; --convert-dtype allows it)")
+
+
 def vocab_limit(lm: LoadedModel) -> int | None:
     """How many token ids the model and its tokenizer can produce: the smaller of the tokenizer's size and
     the embedding's rows (an embedding padded past the tokenizer has rows no tokenizer output selects)."""

@@ -271,13 +271,16 @@ def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = Fa
     """Config and tokenizer only, never the weights (a GGUF model not yet converted is read in place)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    where, extra = None, {}
+    where, extra, light = None, {}, None
     if source["kind"] not in ("default", "gguf"):
         where = _load_path(source, None)
     else:
         folder = kvcli_home() / "models" / f"gguf-{source['sha256'][:16]}"
+        light = folder.with_name(folder.name + "-config")  # config and tokenizer alone, read from the GGUF file once
         if (folder / "config.json").is_file():
-            where = str(folder)
+            where, light = str(folder), None
+        elif (light / "config.json").is_file() and (light / "tokenizer_config.json").is_file():
+            where, light = str(light), None
         else:
             where, extra = str(Path(source["path"]).parent), {"gguf_file": Path(source["path"]).name}
     try:
@@ -286,7 +289,24 @@ def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = Fa
             tok = AutoTokenizer.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code, **extra)
     except Exception as exc:
         raise _load_error(source, exc) from exc
+    if light is not None:
+        _save_light(light, config, tok)
     return config, tok
+
+
+def _save_light(folder: Path, config: Any, tok: Any) -> None:
+    """Keep a GGUF model's config and tokenizer as a small folder (atomic): reading them from the GGUF file
+    costs most of a `kvcli count`; later counts read the folder. Failing to save only costs the next count."""
+    tmp = folder.with_name(f".{folder.name}.kvtmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.rename(tmp, folder)
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_path(source: dict[str, Any], progress: Progress | None) -> str:
