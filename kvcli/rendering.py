@@ -1,4 +1,4 @@
-"""Ask events (kvcli/asking.py) -> the terminal, through Output: one renderer for in-process and served asks.
+"""Events (kvcli/events.py) -> the terminal, through Output: one renderer each for ask and prefill, in-process or served.
 
 Imports nothing heavy: the served client renders with it too, and must start fast.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .output import Output
+from .output import Output, human_bytes
 
 
 def timing(a: dict[str, Any]) -> str:
@@ -100,3 +100,58 @@ class AskRenderer:
             out.note(ev["message"])
         elif kind == "error":
             out.error(ev["message"], ev.get("hint"))
+
+
+class PrefillRenderer:
+    """Renders one prefill's events: a progress bar per document (on a terminal), a line per cache on stderr,
+    JSON lines on stdout with --json. targets: (document, cache) as the user spelled them."""
+
+    def __init__(self, out: Output, targets: Sequence[tuple[str, str]], *, json_out: bool = False, served: bool = False):
+        self.out, self.targets, self.json_out, self.served = out, [(str(d), str(t)) for d, t in targets], json_out, served
+        self._bar: Any = None  # (context manager, update) of the document being prefilled
+        self._begun = 0
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        kind, out = ev.get("event"), self.out
+        if kind == "begin":
+            self._close()
+            self._begun += 1
+            doc = self.targets[ev["index"]][0]
+            overall = (self._begun, len(self.targets)) if len(self.targets) > 1 else None
+            bar = out.progress(f"prefill {doc}", overall=overall)
+            self._bar = (bar, bar.__enter__())
+        elif kind == "progress":
+            if self._bar is not None:
+                self._bar[1](ev["done"], ev["total"])
+        elif kind == "prefilled":
+            self._close()
+            doc, target = self.targets[ev["index"]]
+            self.report(doc, target, ev["result"])
+        elif kind == "error":
+            self._close()
+            out.error(ev["message"], ev.get("hint"))
+        elif kind == "warning":
+            out.warn(ev["message"])
+        elif kind == "note":
+            out.note(ev["message"])
+
+    def close(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._bar is not None:
+            bar, self._bar = self._bar[0], None
+            bar.__exit__(None, None, None)
+
+    def report(self, doc: str, target: str, r: dict[str, Any]) -> None:
+        """One finished prefill (in-process or served: the same lines)."""
+        out = self.out
+        if self.json_out:
+            out.json_line({"document": doc, "cache": target, "num_tokens": r["num_tokens"], "compute_s": round(r["compute_s"], 4),
+                           "write_s": round(r["write_s"], 4), "bytes_raw": r["bytes_raw"], "bytes_on_disk": r["bytes_on_disk"],
+                           "served": self.served, "storage": r.get("storage", "lossless")})
+        out.note(
+            f"{target}: {r['num_tokens']:,} tokens in {r['compute_s'] + r['write_s']:.1f} s "
+            f"({r['num_tokens'] / max(r['compute_s'], 1e-9):,.0f} tok/s), {human_bytes(r['bytes_on_disk'])} on disk "
+            f"({r['bytes_on_disk'] / r['bytes_raw']:.0%} of {human_bytes(r['bytes_raw'])} raw, {r.get('storage', 'lossless')})"
+        )

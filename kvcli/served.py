@@ -18,8 +18,7 @@ def client_model(model: Optional[str]) -> Optional[str]:
     return model
 
 
-def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: list[Optional[str]], *, render=None,
-        prefilled=None) -> Optional[int]:
+def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: list[Optional[str]], *, render=None) -> Optional[int]:
     """Run ask/prefill on a running server (None when none answers and none is required), handing its events
     to `render` (kvcli/rendering.py: what the in-process path renders its own events with), messages with
     paths spelled as the user gave them."""
@@ -46,9 +45,6 @@ def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: 
                 return int(ev.get("exit_code", 1))
             if kind == "fail":
                 raise client.failure(ev, own)
-            if kind == "prefilled":
-                prefilled(ev["index"], ev["result"])
-                continue
             if isinstance(ev.get("message"), str):
                 ev = {**ev, "message": own(ev["message"])}
             render(ev)
@@ -56,7 +52,7 @@ def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: 
 
 
 def _messages(out: Output):
-    """A renderer for the events of commands without answers (prefill): notes, warnings, errors."""
+    """A renderer for events of no particular command: notes, warnings, errors."""
 
     def render(ev: dict) -> None:
         kind = ev.get("event")

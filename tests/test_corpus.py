@@ -197,7 +197,8 @@ def test_list_from_stdin_and_usage_errors(docs, tiny_model_dir, tmp_path):
     assert [r["status"] for r in json_lines(result.stdout)] == ["built"]
     assert_clean_error(run("prefill", docs[0], "--shard", "0/2"), 2, "--shard needs --from-list")
     assert_clean_error(run("prefill", "--from-list", tmp_path / "none.txt"), 2, "cannot read the document list")
-    assert_clean_error(run("prefill", "--from-list", "-", "-o", tmp_path / "nowhere", input=f"{docs[0]}\n"), 2, "existing folder")
+    made = run("prefill", "--from-list", "-", "-o", tmp_path / "nowhere", input=f"{docs[0]}\n")  # -o DIR is created (issue 24)
+    assert made.exit_code == 0 and (tmp_path / "nowhere").is_dir() and any((tmp_path / "nowhere").iterdir()), made.stderr
     assert_clean_error(run("prefill", "--from-list", "-", "--shard", "2/2", input="x\n"), 2, "--shard 2/2")
     assert_clean_error(run("prefill"), 2, "no document given")
 

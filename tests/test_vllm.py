@@ -59,9 +59,11 @@ QUESTIONS = {
 }
 
 
-def _kvcli(*args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
+def _kvcli(*args: str, home: Path, timeout: int = 1200) -> subprocess.CompletedProcess:
+    """kvcli in a process of its own, with the test session's KVCLI_HOME (a module fixture runs before the
+    per-test fixture that sets it) and no server."""
     return subprocess.run([sys.executable, "-m", "kvcli", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ})
+                          env={**os.environ, "KVCLI_HOME": str(home), "KVCLI_SOCKET": str(home / "no-server-here.sock")})
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,7 @@ def corpus(tmp_path_factory, session_home):
         (docs / f"{name}.txt").write_text(text + "\n")
     listing = root / "corpus.txt"
     listing.write_text("".join(f"{docs / n}.txt\n" for n in ("defs", "grants", "damaged", "stale")))
-    r = _kvcli("prefill", "--from-list", str(listing), "-o", str(caches), "--quiet", "--json")
+    r = _kvcli("prefill", "--from-list", str(listing), "-o", str(caches), "--quiet", "--json", home=session_home)
     assert r.returncode == 0, r.stderr
     # the default model's converted folder: what vLLM serves
     model = next((session_home / "models").glob("gguf-*/config.json")).parent
@@ -95,7 +97,8 @@ def corpus(tmp_path_factory, session_home):
     weights[name] = weights[name] + 1e-3 * torch.randn_like(weights[name])
     save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
     for name, model_dir, out in (("othermodel", other, caches), ("stale-new", model, build)):
-        r = _kvcli("prefill", str(docs / f"{name}.txt"), "-o", str(out / f"{name}.kv"), "--model", str(model_dir), "--quiet")
+        r = _kvcli("prefill", str(docs / f"{name}.txt"), "-o", str(out / f"{name}.kv"), "--model", str(model_dir), "--quiet",
+                   home=session_home)
         assert r.returncode == 0, r.stderr
     # a damaged shard: same size, one byte flipped (only the sha256 tells)
     shard = caches / "damaged.kv" / mf.shard_name(7)

@@ -78,7 +78,7 @@ def ask(
             return code
     from contextlib import contextmanager
 
-    from ..asking import ask_events
+    from ..events import ask_events
     from ..engine import answer as an
     from ..engine.prompt import conversation
 

@@ -77,7 +77,7 @@ def chat(
     from ..rendering import AskRenderer
 
     render = AskRenderer(out, [shown(cache)], questions=1, json_out=json_out)  # as a served chat renders its answers
-    from ..asking import room_warning
+    from ..events import room_warning
 
     while (line := out.read_line("> ")) is not None:
         if line.strip():

@@ -9,8 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 from .. import served
-from ..errors import KvcliError, UsageError
-from ..output import Output, human_bytes
+from ..errors import UsageError
+from ..output import Output
+from ..rendering import PrefillRenderer
 from .app import command
 from .options import DeviceOpt, DtypeOpt, EncodingOpt, FramingOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, ServerOpt, SystemOpt, TrustOpt
 
@@ -62,53 +63,46 @@ def prefill(
                   "encoding": encoding, "force": force, "trust_remote_code": trust_remote_code, "kv_bits": kv_bits}
         if folder is not None:
             writing.make_folder(folder)  # the server writes into it
-        code = served.run(out, server, "prefill", fields, [*(d for d, _ in targets), *(str(t) for _, t in targets), model],
-                          prefilled=lambda i, r: _prefilled(out, *targets[i], r, json_out, True))
+        render = PrefillRenderer(out, targets, json_out=json_out, served=True)
+        try:
+            code = served.run(out, server, "prefill", fields, [*(d for d, _ in targets), *(str(t) for _, t in targets), model],
+                              render=render)
+        finally:
+            render.close()
         if code is not None:
             return code
-    failed: list[KvcliError] = []
+    from contextlib import contextmanager
 
-    def report(exc: KvcliError) -> None:
-        if len(targets) == 1:
-            raise exc
-        out.error(exc, exc.hint)
-        failed.append(exc)
+    from ..events import prefill_events
 
-    ready = []
-    for doc, target in targets:  # check every target and read every document first: a bad one fails before the model loads
-        try:
-            writing.check_target(target, force=force, folder_made=folder is not None)
-            ready.append((doc, documents.read(doc, encoding), target))
-        except KvcliError as exc:
-            report(exc)
-    if not ready:
-        out.error(f"{len(failed)} of {len(targets)} documents failed")
-        return 1
-    from ..engine.model import models  # imported only now: a refused request costs no torch import
-    from ..engine import prefilling as pf
+    @contextmanager
+    def open_model():
+        from ..engine.model import models  # imported only now: a refused request costs no torch import
 
-    if ready:
         if folder is not None:
             writing.make_folder(folder)
         with out.status("loading model"):
             lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
-    for n, (doc, document, target) in enumerate(ready, 1):
-        overall = (n, len(ready)) if len(targets) > 1 else None
-        try:
-            with out.progress(f"prefill {doc}", overall=overall) as update:
-                r = pf.prefill(lm, document, target, system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK,
-                               force=force, progress=update, kv_bits=kv_bits)
-        except KvcliError as exc:
-            report(exc)
-            continue
-        m = r.manifest
-        _prefilled(out, doc, target, {"num_tokens": m.num_tokens, "compute_s": r.compute_s, "write_s": r.write_s,
-                                      "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored, "storage": m.storage},
-                   json_out, False)
-    if failed:
-        out.error(f"{len(failed)} of {len(targets)} documents failed")
-        return 1
-    return 0
+        yield _Held(lm)
+
+    render = PrefillRenderer(out, targets, json_out=json_out)
+    try:
+        return prefill_events([(str(d), str(t)) for d, t in targets], open_model=open_model, emit=render,
+                              read=lambda doc: documents.read(doc, encoding),
+                              check=lambda t: writing.check_target(t, force=force, folder_made=folder is not None),
+                              system=system, framing=framing, chunk_size=chunk_size, force=force, kv_bits=kv_bits)
+    finally:
+        render.close()
+
+
+class _Held:
+    """A model loaded for this process alone, lent as the server lends its warm ones."""
+
+    def __init__(self, lm):
+        self.lm = lm
+
+    def served(self) -> None:
+        pass
 
 
 def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shard: Optional[str], output: Optional[str], *,
@@ -146,16 +140,3 @@ def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shar
             out.note(f"{r.cache}: {r.status} ({r.tokens:,} tokens, {r.seconds:.1f} s)")
     out.note(f"{counts['built']} built, {counts['skipped']} skipped, {counts['failed']} failed of {len(jobs)} documents{label}")
     return 1 if counts["failed"] else 0
-
-
-def _prefilled(out: Output, doc: str, target: Path, r: dict, json_out: bool, served: bool) -> None:
-    """Report one finished prefill (in-process or served: the same lines)."""
-    if json_out:
-        out.json_line({"document": str(doc), "cache": str(target), "num_tokens": r["num_tokens"], "compute_s": round(r["compute_s"], 4),
-                       "write_s": round(r["write_s"], 4), "bytes_raw": r["bytes_raw"], "bytes_on_disk": r["bytes_on_disk"], "served": served,
-                       "storage": r.get("storage", "lossless")})
-    out.note(
-        f"{target}: {r['num_tokens']:,} tokens in {r['compute_s'] + r['write_s']:.1f} s "
-        f"({r['num_tokens'] / max(r['compute_s'], 1e-9):,.0f} tok/s), {human_bytes(r['bytes_on_disk'])} on disk "
-        f"({r['bytes_on_disk'] / r['bytes_raw']:.0%} of {human_bytes(r['bytes_raw'])} raw, {r.get('storage', 'lossless')})"
-    )

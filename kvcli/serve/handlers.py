@@ -121,9 +121,9 @@ def _history(req: dict[str, Any], session: Any) -> list[tuple[str, str]]:
 
 
 def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
-    """Answer every question from every cache with the events the in-process `kvcli ask` renders (kvcli/asking.py);
+    """Answer every question from every cache with the events the in-process `kvcli ask` renders (kvcli/events.py);
     returns the exit code. The questions join their model's engine with everyone else's."""
-    from ..asking import ask_events
+    from ..events import ask_events
 
     caches, questions = _strings(req, "caches"), _strings(req, "questions")
     opts = _options(req)
@@ -149,7 +149,6 @@ def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
 def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     """Prefill every document into its cache with the warm model, as cli.prefill does in-process."""
     from .. import documents
-    from ..engine import prefilling as pf
     from ..format import writing
 
     pairs = req.get("docs")
@@ -158,45 +157,27 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     kv_bits = req.get("kv_bits")
     if kv_bits is not None and (type(kv_bits) is not int or kv_bits not in (8, 4)):
         raise protocol.ProtocolError("kv_bits must be 8, 4 or null")
-    failed: list[KvcliError] = []
+    from ..engine.scheduling.scheduler import Left
+    from ..events import prefill_events
 
-    def report(exc: KvcliError) -> None:
-        if len(pairs) == 1:
-            raise exc
-        conn.send(protocol.event("error", message=str(exc), hint=exc.hint, exit_code=exc.exit_code))
-        failed.append(exc)
+    def note(message: str) -> None:
+        conn.send(protocol.event("note", message=message))
 
-    ready = []
-    for index, (doc, target) in enumerate(pairs):  # every target and document checked before the model loads
-        try:
-            writing.check_target(target, force=bool(req.get("force")))
-            ready.append((index, documents.read(doc, req.get("encoding") or "utf-8"), target))
-        except KvcliError as exc:
-            report(exc)
-    if ready:
-        note = lambda message: conn.send(protocol.event("note", message=message))  # noqa: E731
-        held = warm.model(req.get("model"), revision=req.get("revision"), device=req.get("device") or "auto",
+    def open_model():
+        return warm.model(req.get("model"), revision=req.get("revision"), device=req.get("device") or "auto",
                           dtype=req.get("dtype") or "auto", trust_remote_code=bool(req.get("trust_remote_code")), progress=note)
-        with held as model:
-            for index, document, target in ready:
-                if conn.cancelled():
-                    raise Gone()
-                try:  # its chunks take turns with the answers running on this model (engine/scheduling/scheduler.py)
-                    r = pf.prefill(model.lm, document, target, system=req.get("system"), framing=req.get("framing") or "auto",
-                                   chunk_size=req.get("chunk_size") or pf.DEFAULT_CHUNK, force=bool(req.get("force")),
-                                   kv_bits=kv_bits)
-                except KvcliError as exc:
-                    report(exc)
-                    continue
-                model.served()
-                m = r.manifest
-                conn.send(protocol.event("prefilled", index=index, result={
-                    "num_tokens": m.num_tokens, "compute_s": r.compute_s, "write_s": r.write_s,
-                    "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored, "storage": m.storage}))
-    if failed:
-        conn.send(protocol.event("error", message=f"{len(failed)} of {len(pairs)} documents failed", hint=None, exit_code=1))
-        return 1
-    return 0
+
+    def emit(ev: dict[str, Any]) -> None:
+        conn.send(protocol.event(ev.pop("event"), **ev))
+
+    try:
+        return prefill_events([(d, t) for d, t in pairs], open_model=open_model, emit=emit,
+                              read=lambda doc: documents.read(doc, req.get("encoding") or "utf-8"),
+                              check=lambda t: writing.check_target(t, force=bool(req.get("force"))), cancelled=conn.cancelled,
+                              system=req.get("system"), framing=req.get("framing") or "auto", chunk_size=req.get("chunk_size"),
+                              force=bool(req.get("force")), kv_bits=kv_bits)
+    except Left:
+        raise Gone() from None
 
 
 def _control(conn: Connection, op: str, status: Callable[[], dict[str, Any]], stop: Callable[[], None]) -> None:

@@ -79,3 +79,55 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
     if first_error:
         return first_error.exit_code
     return CHECK_DIFFERS_EXIT if differs else 0
+
+
+def prefill_events(targets: Sequence[tuple[str, str]], *, open_model: Callable[[], AbstractContextManager], emit: Emit,
+                   read: Callable[[str], Any], check: Callable[[str], None], cancelled: Callable[[], bool] | None = None,
+                   **prefill_options: Any) -> int:
+    """Prefill every (document, cache) pair with the model `open_model()` lends (something with `.lm` and
+    `.served()`), emitting events; returns the exit code. Every target is checked and every document read
+    before the model loads, so a refusal costs no load; the only pair failing raises. Raises engine's Left
+    once cancelled() says the asker is gone. prefill_options: engine.prefilling.prefill's (system, framing,
+    chunk_size, force, kv_bits)."""
+    failed: list[KvcliError] = []
+
+    def report(exc: KvcliError) -> None:
+        if len(targets) == 1:
+            raise exc
+        emit({"event": "error", "message": str(exc), "hint": exc.hint, "exit_code": exc.exit_code})
+        failed.append(exc)
+
+    ready = []
+    for index, (doc, target) in enumerate(targets):
+        try:
+            check(target)
+            ready.append((index, read(doc), target))
+        except KvcliError as exc:
+            report(exc)
+    if ready:
+        from .engine import prefilling as pf
+
+        prefill_options["chunk_size"] = prefill_options.get("chunk_size") or pf.DEFAULT_CHUNK
+        with open_model() as held:
+            for index, document, target in ready:
+                if cancelled and cancelled():
+                    from .engine.scheduling.scheduler import Left
+
+                    raise Left()
+                emit({"event": "begin", "index": index})
+                try:  # its chunks take turns with the answers running on this model (engine/scheduling/scheduler.py)
+                    r = pf.prefill(held.lm, document, target, **prefill_options,
+                                   progress=lambda done, total, i=index: emit({"event": "progress", "index": i, "done": done,
+                                                                               "total": total}))
+                except KvcliError as exc:
+                    report(exc)
+                    continue
+                held.served()
+                m = r.manifest
+                emit({"event": "prefilled", "index": index, "result": {
+                    "num_tokens": m.num_tokens, "compute_s": r.compute_s, "write_s": r.write_s,
+                    "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored, "storage": m.storage}})
+    if failed:
+        emit({"event": "error", "message": f"{len(failed)} of {len(targets)} documents failed", "hint": None, "exit_code": 1})
+        return 1
+    return 0
