@@ -321,7 +321,7 @@ def test_ps_shows_what_is_held(here, server):
 def test_usage_errors():
     assert_clean_error(run("serve", "--max-memory", "lots"), 2, "--max-memory")
     assert_clean_error(run("serve", "--idle-timeout", "soon"), 2, "--idle-timeout")
-    from kvcli.serve.units import parse_duration, parse_size
+    from kvcli.units import parse_duration, parse_size
 
     assert parse_size("8G") == 8 << 30 and parse_size("1.5GB") == 1_500_000_000 and parse_duration("10m") == 600
 

@@ -31,7 +31,8 @@ def serve(
     quiet: QuietOpt = False,
 ) -> int:
     """Keep models and restored caches warm on a unix socket; ask and prefill use it when it runs."""
-    from ..serve import client, server as sv, units
+    from .. import units
+    from ..serve import client, server as sv
 
     out = Output(quiet=quiet)
     path = client.socket_path(socket)

@@ -6,8 +6,8 @@ against the manifest's size and sha256 while it downloads, and the copy is insta
 (the same writer as `prefill`), so a half download is never used. The next use of the same cache
 reads only the manifest from the store and finds the copy: no shard is downloaded again.
 
-The store is bounded by KVCLI_REMOTE_STORE_MAX (bytes, or with K/M/G/T; default 20G; 0 for no
-bound): after each download the least recently used copies are removed until it fits. Clear it
+The store is bounded by KVCLI_REMOTE_STORE_MAX (a size as kvcli/units.py reads it: 20G, 500MB;
+default 20G; 0 for no bound): after each download the least recently used copies are removed until it fits. Clear it
 with `rm -rf "$KVCLI_HOME/remote"`; a running `ask` keeps the files it has open.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -28,7 +27,6 @@ from ..format import manifest as mf, store, writing
 DEFAULT_MAX = "20G"
 MAX_VARIABLE = "KVCLI_REMOTE_STORE_MAX"
 _CHUNK = 4 << 20
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
 def root() -> Path:
@@ -38,12 +36,10 @@ def root() -> Path:
 
 
 def max_bytes() -> int:
-    """The store's bound from KVCLI_REMOTE_STORE_MAX (0: unbounded)."""
-    raw = os.environ.get(MAX_VARIABLE) or DEFAULT_MAX
-    m = _SIZE.match(raw)
-    if not m:
-        raise UsageError(f"${MAX_VARIABLE}={raw!r}: expected a size such as 500M or 20G (0 for no bound)")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
+    """The store's bound from KVCLI_REMOTE_STORE_MAX (0: unbounded), a size as kvcli/units.py reads it."""
+    from ..units import parse_size
+
+    return parse_size(os.environ.get(MAX_VARIABLE) or DEFAULT_MAX, f"${MAX_VARIABLE}", zero=True)
 
 
 def fetch(url: str, progress: Callable[[str], None] | None = None) -> Path:
