@@ -86,7 +86,7 @@ def ask(
 
     @contextmanager
     def open_session(path: str):
-        local = local_cache(path, out)
+        local = local_cache(path, out, check=lambda m: loader.fits(m, shown(path), convert_dtype=convert_dtype))
         with out.status(f"loading {path}"):
             session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
         yield session

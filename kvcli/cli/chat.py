@@ -64,7 +64,7 @@ def chat(
 
     opts = an.GenerationOptions(**checked)
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
-    local = local_cache(cache, out)
+    local = local_cache(cache, out, check=lambda m: loader.fits(m, shown(cache), convert_dtype=convert_dtype))
     with out.status(f"loading {shown(cache)}"):
         session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
     for warning in session.warnings:

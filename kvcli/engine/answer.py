@@ -138,11 +138,18 @@ class ModelPool:
         self._loaded: dict[str, LoadedModel] = {}
 
     def for_cache(self, path: str | os.PathLike) -> LoadedModel:
+        return self.for_manifest(store.read_manifest(path))
+
+    def fits(self, manifest, where: str, *, convert_dtype: bool = False) -> None:
+        """Refuse (CacheMismatchError) a cache, by its manifest alone, that the model it would be answered
+        with does not fit: a remote cache is checked this way before any shard is fetched."""
+        fit.check_fits(manifest, self.for_manifest(manifest), where, convert_dtype=convert_dtype)
+
+    def for_manifest(self, manifest) -> LoadedModel:
         import json
 
         from .model import models
 
-        manifest = store.read_manifest(path)
         dtype = self.dtype or manifest.dtype
         if self.spec:
             source = models.resolve(self.spec, revision=self.revision)
