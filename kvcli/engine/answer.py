@@ -42,6 +42,13 @@ class Session:
         self.eos = _eos_ids(lm.model)
         self.stats = {"asked": 0, "steps": 0, "peak_rows": 0}  # kept by the engine: questions, forward passes, widest step
 
+    def nbytes(self) -> int:
+        """Memory this Session holds now: its cache's buffers (grown by rows decoded one at a time) and the
+        suffix buffers of the batch answering it (engine/cache/shared.py), measured, not estimated."""
+        from .scheduling.scheduler import engine_for
+
+        return self.cache.nbytes() + engine_for(self.lm).suffix_bytes(self)
+
     @property
     def token_ids(self) -> list[int]:
         return self.manifest.token_ids

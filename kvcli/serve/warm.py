@@ -15,7 +15,10 @@ model are stepped in turn, and a prefill's chunks take turns with those steps. A
 replaced since it was restored (directory or manifest identity changed) is restored again, never
 answered from the old copy. Entries in use are never evicted; the rest go least recently used first.
 Any number of front ends (the unix socket, HTTP) share one Warm: one LRU, one staleness rule, one
-memory account.
+memory account. The account is the bytes held now, measured (a cache's buffers with their spare room,
+grown by rows decoded one at a time, and the suffix buffers of the batch answering it), not the figure
+taken at restore: it is measured again, and entries not in use evicted to fit, whenever a question
+starts or an answer completes, and whenever a request ends.
 """
 
 from __future__ import annotations
@@ -50,6 +53,15 @@ class _Entry:
     served: int = 0
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
+    measure: Callable[[], int] | None = None  # caches: the bytes held now (buffers grow while answering)
+
+    def size(self) -> int:
+        if self.measure is not None:
+            try:
+                self.nbytes = self.measure()
+            except Exception:  # a buffer swapped mid-measure: the last figure stands until the next one
+                pass
+        return self.nbytes
 
 
 class Lease:
@@ -90,9 +102,11 @@ class Lease:
 
         def answered(i: int, a: Any) -> None:
             self._warm._served(self._entry, self._model)
+            self._warm.fit()  # the account as held now (suffix buffers and grown caches counted): others go if over
             if on_answer:
                 on_answer(i, a)
 
+        self._warm.fit()
         try:
             return self.session.ask_many(questions, options or GenerationOptions(), batch_size=batch_size, check=check,
                                          on_text=on_text, on_answer=answered, cancelled=cancelled, history=history)
@@ -127,17 +141,6 @@ def default_max_memory() -> int:
 def _nbytes_model(lm: Any) -> int:
     m = lm.model
     return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
-
-
-def _nbytes_states(states: list) -> int:
-    seen, total = set(), 0
-    for s in states:
-        for t in (s.keys, s.values):
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen:  # views share their buffer (with its spare room)
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-    return total
 
 
 def _identity(path: Path) -> tuple:
@@ -217,7 +220,7 @@ class Warm:
             entries = list(self._entries.values())
         rows = {"models": [], "caches": []}
         for e in reversed(entries):  # most recently used first
-            row = {**e.info, "bytes": e.nbytes, "loaded_at": e.loaded_at, "last_used": e.last_used, "served": e.served, "in_use": e.users}
+            row = {**e.info, "bytes": e.size(), "loaded_at": e.loaded_at, "last_used": e.last_used, "served": e.served, "in_use": e.users}
             lm = e.obj if e.kind == "model" else e.obj.lm
             engine = getattr(lm, "_engine", None)
             width = 1 if engine is not None and engine.mode == "one at a time" else (engine.width if engine else None) or self.batch_size
@@ -229,6 +232,11 @@ class Warm:
                 row["batch"] = {"width": width, **e.obj.stats}
             rows["models" if e.kind == "model" else "caches"].append(row)
         return {"max_memory": self.max_memory, "bytes": sum(e.nbytes for e in entries), "reloads": self.reloads, **rows}
+
+    def fit(self) -> None:
+        """Measure what is held now and evict least recently used entries not in use until it fits max_memory."""
+        with self._mutex:
+            self._evict()
 
     def clear(self) -> None:
         """Drop everything not in use."""
@@ -324,7 +332,8 @@ class Warm:
             session = an.Session(model_entry.obj, path, convert_dtype=convert_dtype)
             info = {"path": str(path), "model": model_entry.info["name"], "num_tokens": len(session.token_ids),
                     "dtype": manifest.dtype, "load_s": round(session.load_s, 4)}
-            entry = _Entry(key, "cache", session, _nbytes_states(session.states), info, identity=identity, model_key=model_entry.key, users=1)
+            entry = _Entry(key, "cache", session, session.nbytes(), info, identity=identity, model_key=model_entry.key, users=1,
+                           measure=session.nbytes)
             with self._mutex:
                 self._entries[key] = entry
                 self._evict()
@@ -357,7 +366,7 @@ class Warm:
     def _evict(self, limit: int | None = None) -> None:
         """Drop least recently used entries not in use until the total fits (caller holds the mutex)."""
         limit = self.max_memory if limit is None else limit
-        total = sum(e.nbytes for e in self._entries.values())
+        total = sum(e.size() for e in self._entries.values())
         for key in list(self._entries):
             if total <= limit:
                 return
