@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--doc", default=str(Path(__file__).resolve().parent.parent / "samples" / "document.txt"))
+    parser.add_argument("--max-rss-growth-mb", type=float, default=256,
+                        help="exit 1 if the server's RSS grows more than this under load (the bound test_http_load.py once held)")
     args = parser.parse_args()
     import tempfile
 
@@ -134,7 +136,10 @@ def main() -> None:
             report.update(rss_before=before["VmRSS"], rss_after=server.memory()["VmRSS"], peak_rss=server.memory()["VmHWM"])
         finally:
             server.close()
+    report["rss_growth_mb"] = round((report["rss_after"] - report["rss_before"]) / 2**20, 1)
     print(json.dumps(report, indent=2))
+    if report["rss_growth_mb"] > args.max_rss_growth_mb:
+        sys.exit(f"the server's RSS grew {report['rss_growth_mb']} MB under load, above {args.max_rss_growth_mb} MB")
 
 
 if __name__ == "__main__":

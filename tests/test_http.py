@@ -146,7 +146,7 @@ def test_other_errors_in_openai_shape(client, server):
         client.chat.completions.create(model="licence.kv", messages=[{"role": "system", "content": "Pirate."},
                                                                      {"role": "user", "content": Q1}])
     base = server[0].base_url
-    for r, status in ((httpx.post(base + "/chat/completions", content=b"{not json", timeout=30), 400),
+    for r, status in ((httpx.post(base + "/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"}, timeout=30), 400),
                       (httpx.get(base + "/nowhere", timeout=30), 404), (httpx.get(base + "/chat/completions", timeout=30), 405)):
         assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert "Traceback" not in r.text
@@ -166,7 +166,9 @@ def test_cache_that_no_longer_fits_is_409_with_the_cli_message(client, docs, tin
         srv.stop()
     cli = run("ask", "--cache", folder / "broken.kv", Q1)
     assert cli.exit_code == 3
-    assert error_lines(cli)[0] == f"kvcli: error: {err.value.body['message']}"
+    message = err.value.body["message"]  # the CLI's message, the server's folder taken out (the id names the cache)
+    assert str(folder) not in message and message.startswith("broken.kv")
+    assert error_lines(cli)[0] == f"kvcli: error: {str(folder)}/{message}"
     # a cache built for another model: 409 too (the server told to answer with another model)
     other = tmp_path / "other-model"
     shutil.copytree(tiny_model_dir, other)

@@ -3,7 +3,9 @@
 
 Round trips through prefill/ls/info/verify/ask, a killed upload leaving no readable cache, a shard
 altered in the bucket refused (exit 3), a second ask that downloads nothing, and the plain CLI
-never importing fsspec.
+never importing fsspec. Bytes fetched are counted by a relay in front of moto: a cache of another
+model, or one over the local store's bound, costs its manifest only; a shard longer than its
+manifest says is never fetched past it.
 """
 
 from __future__ import annotations
@@ -297,8 +299,8 @@ def test_local_store_is_bounded_and_cleared(docs, tiny_lm, tmp_path, store_home,
         objects.upload(tmp_path / f"c{i}.kv", url, force=False)
         urls.append(url)
     first = local_store.fetch(urls[0])
-    size = sum(f.stat().st_size for f in first.iterdir())
-    monkeypatch.setenv(local_store.MAX_VARIABLE, str(size + 10))
+    size = max(sum(f.stat().st_size for f in (tmp_path / f"c{i}.kv").iterdir()) for i in range(2))
+    monkeypatch.setenv(local_store.MAX_VARIABLE, str(size + 10))  # room for either, not for both
     os.utime(first, (time.time() - 60, time.time() - 60))
     second = local_store.fetch(urls[1])  # over the bound: the least recently used copy goes
     assert [p for p, _, _ in local_store.entries()] == [second] and not first.exists()
@@ -308,6 +310,116 @@ def test_local_store_is_bounded_and_cleared(docs, tiny_lm, tmp_path, store_home,
         local_store.max_bytes()
     assert local_store.clear() > 0 and local_store.entries() == []
     mem.rm(urls[0].split("://")[1].split("/")[0], recursive=True)
+
+
+class CountingProxy:
+    """A TCP relay on 127.0.0.1 in front of moto that counts the bytes the server sends (what a client fetched)."""
+
+    def __init__(self, port: int):
+        self.upstream, self.received, self.lock = port, 0, threading.Lock()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream), timeout=30)
+            self.open += [conn, up]
+            threading.Thread(target=self._pump, args=(conn, up, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, conn, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if count:
+                    with self.lock:
+                        self.received += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for s in self.open:
+            s.close()
+
+
+@pytest.fixture
+def counted(s3, monkeypatch):
+    """The s3:// clients of this process talk to moto through a CountingProxy."""
+    import s3fs
+
+    port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    proxy = CountingProxy(port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield proxy
+    proxy.close()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _big_cache(s3, bucket, tiny_model_dir, tmp_path) -> tuple[str, int, int]:
+    """A cache in the bucket whose shards outweigh its manifest many times: (url, manifest bytes, shard bytes)."""
+    from kvcli.remote import objects
+
+    doc = tmp_path / "long.txt"
+    doc.write_text(sample_text()[:6000], encoding="utf-8")
+    url = f"s3://{bucket}/big/long.kv"
+    assert run("prefill", doc, "-o", url, "--model", tiny_model_dir).exit_code == 0
+    raw = s3.cat_file(f"{bucket}/big/long.kv/manifest.json")
+    m = objects.read_manifest(url)
+    assert m.bytes_stored > 10 * len(raw)
+    return url, len(raw), m.bytes_stored
+
+
+def test_remote_cache_of_another_model_is_refused_on_its_manifest_alone(s3, bucket, tiny_model_dir, tokenizer, tmp_path,
+                                                                          store_home, counted):
+    from tests.conftest import tiny_llama
+
+    url, manifest_size, shard_size = _big_cache(s3, bucket, tiny_model_dir, tmp_path)
+    other = tmp_path / "other-model"
+    tiny_llama(len(tokenizer), seed=1).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    counted.received = 0
+    refused = run("ask", "--cache", url, QUESTION, "--model", other)
+    assert_clean_error(refused, 3, url, "built for another model", "weights")
+    assert counted.received < manifest_size + 16_000 < shard_size, (counted.received, manifest_size, shard_size)
+    assert not local_store.entries()  # nothing stored
+    counted.received = 0
+    assert run("ask", "--cache", url, QUESTION, "--max-new-tokens", "2").exit_code == 0  # its own model: fetched whole
+    assert counted.received >= shard_size
+
+
+def test_manifest_claiming_more_than_the_store_bound_is_refused_before_any_shard(s3, bucket, tiny_model_dir, tmp_path,
+                                                                                  store_home, counted, monkeypatch):
+    url, manifest_size, shard_size = _big_cache(s3, bucket, tiny_model_dir, tmp_path)
+    monkeypatch.setenv(local_store.MAX_VARIABLE, str(shard_size // 2))
+    counted.received = 0
+    refused = run("ask", "--cache", url, QUESTION)
+    assert_clean_error(refused, 1, "more than the local store's bound", local_store.MAX_VARIABLE, "nothing was downloaded")
+    assert counted.received < manifest_size + 16_000 < shard_size, (counted.received, manifest_size, shard_size)
+    assert not local_store.entries()
+
+
+def test_shard_longer_than_its_manifest_is_never_read_past_it(s3, bucket, tiny_model_dir, tmp_path, store_home, counted):
+    url, manifest_size, shard_size = _big_cache(s3, bucket, tiny_model_dir, tmp_path)
+    key = f"{bucket}/big/long.kv/layer_000.safetensors.zst"
+    s3.pipe_file(key, s3.cat_file(key) + b"\0" * (8 << 20))  # 8 MiB appended in the bucket
+    counted.received = 0
+    assert_clean_error(run("ask", "--cache", url, QUESTION), 3, "layer_000.safetensors.zst", "manifest says")
+    assert counted.received < shard_size + manifest_size + 64_000, counted.received  # not the 8 MiB
+    assert not local_store.entries()
 
 
 def test_plain_commands_never_import_fsspec(tmp_path, docs, tiny_model_dir):

@@ -16,7 +16,7 @@ import kvcli
 from kvcli.serve import client, protocol
 from kvcli.serve.warm import Warm
 from tests.conftest import sample_text, tiny_llama
-from tests.helpers import assert_clean_error, json_lines, run, run_python
+from tests.helpers import assert_clean_error, error_lines, json_lines, run, run_python
 from tests.serve_helpers import ThreadServer, ask_events, install_copy, raw_request, short_dir
 
 QUESTIONS = ["What is the Licensor?", "Is there a warranty?", "Who may use the work?"]
@@ -110,6 +110,32 @@ def test_errors_are_the_same_through_the_server(here, world):
         assert served.stdout == local.stdout and served.stderr == local.stderr
         assert "Traceback" not in served.stderr
     assert "gone.kv: no cache here" in served.stderr  # relative, as given
+
+
+def _served_failure(server, cache, **fields) -> dict:
+    events = ask_events(server.path, cache, "Q?", **fields)
+    assert events[-1]["event"] == "fail", events
+    return events[-1]
+
+
+def test_bad_options_from_a_socket_client_are_refused_as_the_cli_refuses_them(here, server):
+    """A client that skips the CLI's checks gets the CLI's message and exit 2 (kvcli/generation.py), never a
+    silent reinterpretation: a string `stop` is not one stop per character."""
+    cache = here / "ref-a.kv"
+    for cli_args, options in ((("--top-p", "0"), {"top_p": 0}), (("--repetition-penalty", "0"), {"repetition_penalty": 0})):
+        local = run("ask", "-c", "ref-a.kv", "Q?", *cli_args, "--no-server")
+        assert local.exit_code == 2, local.stderr
+        fail = _served_failure(server, cache, options={"max_new_tokens": 2, **options})
+        assert fail["exit_code"] == 2 and error_lines(local) == [f"kvcli: error: {fail['message']}"]
+    fail = _served_failure(server, cache, options={"max_new_tokens": 2, "stop": "abc"})
+    assert fail["exit_code"] == 2 and "--stop must be a list of strings, not one string" in fail["message"]
+    for options in ({"max_new_tokens": 0}, {"max_new_tokens": True}, {"seed": "x"}, {"temperature": -1}, {"stop": [""]},
+                    {"no_repeat_ngram_size": -1}, {"bogus": 1}):
+        assert _served_failure(server, cache, options=options)["exit_code"] == 2, options
+    local = run("ask", "-c", "ref-a.kv", "Q?", "--trust-remote-code", "--no-server")
+    fail = _served_failure(server, cache, trust_remote_code=True)
+    assert local.exit_code == fail["exit_code"] == 2 and error_lines(local) == [f"kvcli: error: {fail['message']}"]
+    assert "--trust-remote-code needs an explicit --model" in fail["message"]
 
 
 def test_server_option_requires_one(here, monkeypatch, tmp_path):
@@ -295,7 +321,7 @@ def test_ps_shows_what_is_held(here, server):
 def test_usage_errors():
     assert_clean_error(run("serve", "--max-memory", "lots"), 2, "--max-memory")
     assert_clean_error(run("serve", "--idle-timeout", "soon"), 2, "--idle-timeout")
-    from kvcli.serve.units import parse_duration, parse_size
+    from kvcli.units import parse_duration, parse_size
 
     assert parse_size("8G") == 8 << 30 and parse_size("1.5GB") == 1_500_000_000 and parse_duration("10m") == 600
 

@@ -49,15 +49,14 @@ def ask(
     out = Output(quiet=quiet)
     if not cache:  # checked before anything heavy loads: a usage error is instant
         raise UsageError("--cache is required (the cache to answer from; make one with kvcli prefill DOC)")
-    if top_p <= 0:
-        raise UsageError("--top-p must be above 0")
-    if repetition_penalty <= 0:
-        raise UsageError("--repetition-penalty must be above 0 (1 is off)")
+    from ..generation import check_options, check_trust
+
+    checked = check_options({"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
+                             "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size})
     if str(follow_up) == "-" and (questions_file == "-" or not questions):
         raise UsageError("--follow-up - reads stdin: give the questions as arguments or with -f FILE")
     earlier = read_answer_json(follow_up) if follow_up else None
-    if trust_remote_code and not model:
-        raise UsageError("--trust-remote-code needs an explicit --model: a cache must not choose whose code runs")
+    check_trust(trust_remote_code, model)
     qs = gather_questions(questions or [], questions_file)
     from ..remote import is_url
 
@@ -82,13 +81,12 @@ def ask(
     from ..engine import answer as an
     from ..engine.prompt import conversation
 
-    opts = an.GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop),
-                                repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
+    opts = an.GenerationOptions(**checked)
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
 
     @contextmanager
     def open_session(path: str):
-        local = local_cache(path, out)
+        local = local_cache(path, out, check=lambda m: loader.fits(m, shown(path), convert_dtype=convert_dtype))
         _check_request(local, shown(path), dtype, convert_dtype)
         with out.status(f"loading {path}"):
             session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)

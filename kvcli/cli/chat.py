@@ -37,14 +37,14 @@ def chat(
 ) -> int:
     """Talk about a cached document: one question per line (interactive or stdin); each follows the earlier ones."""
     out = Output(quiet=quiet)
-    if top_p <= 0:
-        raise UsageError("--top-p must be above 0")
     if str(follow_up) == "-":
         raise UsageError("chat reads its questions from stdin: give --follow-up a file")
-    if trust_remote_code and not model:
-        raise UsageError("--trust-remote-code needs an explicit --model: a cache must not choose whose code runs")
+    from ..generation import check_options, check_trust
+
+    check_trust(trust_remote_code, model)
     earlier = read_answer_json(follow_up) if follow_up else None
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop)}
+    checked = check_options(options)
     from ..remote import is_url
 
     if server is not False and not is_url(cache) and served.answers(server):  # the conversation goes through the running server
@@ -63,9 +63,9 @@ def chat(
     from ..engine import answer as an
     from ..engine.prompt import conversation
 
-    opts = an.GenerationOptions(**{**options, "stop": tuple(stop)})
+    opts = an.GenerationOptions(**checked)
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
-    local = local_cache(cache, out)
+    local = local_cache(cache, out, check=lambda m: loader.fits(m, shown(cache), convert_dtype=convert_dtype))
     from .ask import _check_request
 
     _check_request(local, shown(cache), dtype, convert_dtype)

@@ -10,8 +10,9 @@ from ..errors import UsageError
 from ..output import Output
 
 
-def local_cache(path: str, out: Output) -> Path:
-    """A cache folder to open: the path itself, or the checked local copy of a remote cache."""
+def local_cache(path: str, out: Output, check=None) -> Path:
+    """A cache folder to open: the path itself, or the checked local copy of a remote cache.
+    check(manifest): the fit test a remote cache passes on its manifest alone, before any shard is fetched."""
     from ..remote import is_url
 
     if not is_url(path):
@@ -19,7 +20,7 @@ def local_cache(path: str, out: Output) -> Path:
     from ..remote import local_store
 
     with out.status(f"fetching {shown(path)}"):
-        return local_store.fetch(path, progress=out.note)
+        return local_store.fetch(path, progress=out.note, check=check)
 
 
 def shown(path: str) -> str:

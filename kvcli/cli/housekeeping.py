@@ -84,10 +84,11 @@ def prune(
 
     Prints each removed path on stdout (what would be removed, with --dry-run).
     """
+    from .. import units
     from ..format import housekeeping as hk
 
     out = Output(quiet=quiet)
-    age = hk.parse_age(older_than) if older_than is not None else None
+    age = units.parse_duration(older_than, "--older-than", bare=False) if older_than is not None else None
     removed = hk.prune(folder, older_than_s=age, dry_run=dry_run)
     for r in removed:
         out.json_line({"path": str(r.path), "kind": r.kind, "bytes": r.bytes, "dry_run": dry_run}) if json_out else out.write(f"{r.path}\n")

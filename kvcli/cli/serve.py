@@ -25,10 +25,14 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", envvar="KVCLI_API_KEY", help="Bearer token HTTP clients must send; required unless HOST is loopback ($KVCLI_API_KEY).", show_default=False)] = None,
     docs: Annotated[list[Path], typer.Option("--docs", metavar="DIR", show_default=False, help="Folder whose caches --http offers as models (repeatable; default: the current folder).")] = [],  # noqa: B006
     batch_size: Annotated[int, typer.Option(min=1, metavar="N", help="Questions on one document decoded together, from any clients (1: one at a time).")] = 8,
+    allow_host: Annotated[list[str], typer.Option("--allow-host", metavar="NAME", show_default=False, help="Also answer HTTP requests whose Host header is NAME (repeatable; default: loopback names and the bound address only).")] = [],  # noqa: B006
+    allow_origin: Annotated[list[str], typer.Option("--allow-origin", metavar="ORIGIN", show_default=False, help="Let web pages from ORIGIN (e.g. https://app.example.org) call the HTTP endpoint (repeatable; default: none).")] = [],  # noqa: B006
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, metavar="N", help="Most answer tokens one HTTP request may ask for (above: 400).")] = 4096,
     quiet: QuietOpt = False,
 ) -> int:
     """Keep models and restored caches warm on a unix socket; ask and prefill use it when it runs."""
-    from ..serve import client, server as sv, units
+    from .. import units
+    from ..serve import client, server as sv
 
     out = Output(quiet=quiet)
     path = client.socket_path(socket)
@@ -39,12 +43,13 @@ def serve(
 
         host, port = http.parse_address(http_at)
         http.check_bind(host, api_key)
+        http.allowed_hosts(host, allow_host), http.check_origins(allow_origin)
         docs = [d.resolve() for d in (docs or [Path(".")])]
         for d in docs:
             if not d.is_dir():
                 raise UsageError(f"--docs {d}: not a folder")
-    elif docs:
-        raise UsageError("--docs goes with --http HOST:PORT")
+    elif docs or allow_host or allow_origin:
+        raise UsageError(f"{'--docs' if docs else '--allow-host' if allow_host else '--allow-origin'} goes with --http HOST:PORT")
     if stop:
         pid = sv.stop_server(path)
         if pid is None:
@@ -55,7 +60,8 @@ def serve(
         args = (["--max-memory", max_memory] if max_memory else []) + (["--idle-timeout", idle_timeout] if idle_timeout else [])
         args += ["--batch-size", str(batch_size)]
         if http_at:
-            args += ["--http", http_at, *[a for d in docs for a in ("--docs", str(d))]]
+            args += ["--http", http_at, *[a for d in docs for a in ("--docs", str(d))], "--max-tokens", str(max_tokens)]
+            args += [a for h in allow_host for a in ("--allow-host", h)] + [a for o in allow_origin for a in ("--allow-origin", o)]
         pid = sv.detach(path, args, env={"KVCLI_API_KEY": api_key} if api_key else None)  # the key never on a command line
         out.write(f"{pid}\n")
         reply = client.call(path, "status") or {}
@@ -71,7 +77,8 @@ def serve(
     if http_at:
         from ..serve.docs import WarmProvider
 
-        web = http.start(host, port, provider=WarmProvider(server.warm, docs, on_use=server.touch), api_key=api_key)
+        web = http.start(host, port, provider=WarmProvider(server.warm, docs, on_use=server.touch), api_key=api_key,
+                         allow_hosts=allow_host, allow_origins=allow_origin, max_tokens=max_tokens)
         server.listening("http", web.base_url)
         out.note(f"OpenAI-compatible endpoint on {web.base_url} for the caches in {', '.join(map(str, docs))}")
     try:

@@ -46,6 +46,13 @@ class Session:
         self.eos = _eos_ids(lm.model)
         self.stats = {"asked": 0, "steps": 0, "peak_rows": 0}  # kept by the engine: questions, forward passes, widest step
 
+    def nbytes(self) -> int:
+        """Memory this Session holds now: its cache's buffers (grown by rows decoded one at a time) and the
+        suffix buffers of the batch answering it (engine/cache/shared.py), measured, not estimated."""
+        from .scheduling.scheduler import engine_for
+
+        return self.cache.nbytes() + engine_for(self.lm).suffix_bytes(self)
+
     @property
     def token_ids(self) -> list[int]:
         return self.manifest.token_ids
@@ -151,11 +158,18 @@ class ModelPool:
         self._loaded: dict[str, LoadedModel] = {}
 
     def for_cache(self, path: str | os.PathLike) -> LoadedModel:
+        return self.for_manifest(store.read_manifest(path))
+
+    def fits(self, manifest, where: str, *, convert_dtype: bool = False) -> None:
+        """Refuse (CacheMismatchError) a cache, by its manifest alone, that the model it would be answered
+        with does not fit: a remote cache is checked this way before any shard is fetched."""
+        fit.check_fits(manifest, self.for_manifest(manifest), where, convert_dtype=convert_dtype)
+
+    def for_manifest(self, manifest) -> LoadedModel:
         import json
 
         from .model import models
 
-        manifest = store.read_manifest(path)
         dtype = self.dtype or manifest.dtype
         if self.spec:
             source = models.resolve(self.spec, revision=self.revision)

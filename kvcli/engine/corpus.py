@@ -28,7 +28,8 @@ from .model.models import LoadedModel
 # Fingerprint fields that decide whether a cache still fits the model (those fit.check_fits reads).
 FINGERPRINT_KEYS = ("model_type", "config_sha256", "weights_sha256", "tokenizer_sha256", "chat_template_sha256",
                     "dtype", "num_layers", "num_kv_heads", "head_dim", "max_positions")
-FRAMING_KEYS = ("kind", "system", "version", "template_sha256")
+FRAMING_KEYS = ("kind", "system", "template_sha256")  # the framing asked for; where the cut fell (version, anchor,
+# pending) follows from it, the document and the tokenizer, all compared already
 T = TypeVar("T")
 COUNT_VARIABLE = "KVCLI_SHARD_COUNT"  # Kubernetes sets JOB_COMPLETION_INDEX but not the count: set this to `completions`
 
@@ -172,13 +173,18 @@ def plan(entries: list[str], target_for: Callable[[str], Target]) -> list[Job]:
 def up_to_date(m: mf.Manifest, lm: LoadedModel, document: Document, framing: dict[str, Any],
                kv_bits: int | None = None) -> bool:
     """Whether a cache's manifest says it holds this document for this model and framing, stored as asked
-    (lossless, or quantized to kv_bits bits), without reading a shard."""
+    (lossless, or quantized to kv_bits bits), without reading a shard: what decides the cache is compared
+    (document, model and tokenizer fingerprints, framing kind, system prompt, template hash, storage), not the
+    framing record's own fields: a tokenizer that moves the cut (SentencePiece) records version 2 and an anchor,
+    which `framing` (the record of the framing asked for, before any cut) never holds."""
     want = mf.FORMAT_VERSION if kv_bits is None else mf.QUANT_FORMAT_VERSION
     if m.format_version != want or m.document.get("sha256") != document.sha256:
         return False
     if (m.quant or {}).get("bits") != kv_bits:
         return False
     if any(m.model.get(k) != lm.fingerprint.get(k) for k in FINGERPRINT_KEYS):
+        return False
+    if m.framing.get("version") not in fr.SUPPORTED_VERSIONS:
         return False
     return all(m.framing.get(k) == framing.get(k) for k in FRAMING_KEYS)
 

@@ -22,7 +22,6 @@ from .store import TMP_MARK
 from .writing import is_leftover, remove_if_stale
 
 _SHARD = re.compile(r"layer_\d{3}\.safetensors\.zst")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 @dataclass(frozen=True)
@@ -90,14 +89,6 @@ def check_removable(paths: list[Path]) -> None:
         why = not_a_cache(Path(path))
         if why:
             raise KvcliError(f"{path}: {why}; refusing to remove it (nothing was removed)")
-
-
-def parse_age(text: str) -> float:
-    """'30d', '12h', '90m', '45s', '2w' -> seconds."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text or "")
-    if not m:
-        raise UsageError(f"--older-than {text}: give a number and a unit s, m, h, d or w (for example 30d)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 def prune(folder: str | os.PathLike, *, older_than_s: float | None = None, dry_run: bool = False) -> list[Removal]:

@@ -6,8 +6,8 @@ against the manifest's size and sha256 while it downloads, and the copy is insta
 (the same writer as `prefill`), so a half download is never used. The next use of the same cache
 reads only the manifest from the store and finds the copy: no shard is downloaded again.
 
-The store is bounded by KVCLI_REMOTE_STORE_MAX (bytes, or with K/M/G/T; default 20G; 0 for no
-bound): after each download the least recently used copies are removed until it fits. Clear it
+The store is bounded by KVCLI_REMOTE_STORE_MAX (a size as kvcli/units.py reads it: 20G, 500MB;
+default 20G; 0 for no bound): after each download the least recently used copies are removed until it fits. Clear it
 with `rm -rf "$KVCLI_HOME/remote"`; a running `ask` keeps the files it has open.
 """
 
@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from . import objects
-from ..errors import CacheCorruptError, CacheExistsError, UsageError
+from ..errors import CacheCorruptError, CacheExistsError, KvcliError
 from ..format import manifest as mf, store, writing
 
 DEFAULT_MAX = "20G"
 MAX_VARIABLE = "KVCLI_REMOTE_STORE_MAX"
 _CHUNK = 4 << 20
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
 
 def root() -> Path:
@@ -38,23 +36,36 @@ def root() -> Path:
 
 
 def max_bytes() -> int:
-    """The store's bound from KVCLI_REMOTE_STORE_MAX (0: unbounded)."""
-    raw = os.environ.get(MAX_VARIABLE) or DEFAULT_MAX
-    m = _SIZE.match(raw)
-    if not m:
-        raise UsageError(f"${MAX_VARIABLE}={raw!r}: expected a size such as 500M or 20G (0 for no bound)")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
+    """The store's bound from KVCLI_REMOTE_STORE_MAX (0: unbounded), a size as kvcli/units.py reads it."""
+    from ..units import parse_size
+
+    return parse_size(os.environ.get(MAX_VARIABLE) or DEFAULT_MAX, f"${MAX_VARIABLE}", zero=True)
 
 
-def fetch(url: str, progress: Callable[[str], None] | None = None) -> Path:
-    """A local, checked copy of the remote cache at `url` (downloaded only if not already stored)."""
+def fetch(url: str, progress: Callable[[str], None] | None = None,
+          check: Callable[[mf.Manifest], None] | None = None) -> Path:
+    """A local, checked copy of the remote cache at `url` (downloaded only if not already stored).
+
+    The manifest comes first and alone: check(manifest) (the caller's fit test: model, tokenizer, framing,
+    dtype; it raises to refuse) and the store's bound against the manifest's sizes run before any shard
+    is fetched; each shard then streams in, refused as soon as it passes its manifest size."""
     raw = objects.manifest_bytes(url)
     where = objects.redact(url)
     m = mf.parse(raw, objects.join(where, mf.MANIFEST_NAME))
+    if check is not None:
+        check(m)
     local = root() / f"{hashlib.sha256(raw).hexdigest()}.kv"
     if _complete(local, m):
         os.utime(local)  # most recently used
         return local
+    bound = max_bytes()
+    need = m.bytes_stored + len(raw)
+    if bound and need > bound:
+        raise KvcliError(f"{where}: the cache takes {need:,} bytes, more than the local store's bound of {bound:,} "
+                         f"(${MAX_VARIABLE}); nothing was downloaded",
+                         hint=f"raise ${MAX_VARIABLE} (0 for no bound), or prefill the document locally")
+    if bound:
+        prune(bound - need)  # room for this copy before it downloads, least recently used copies first
     local.parent.mkdir(parents=True, exist_ok=True)
     if progress:
         progress(f"{where}: downloading {len(m.layers)} shards ({m.bytes_stored:,} bytes) into {local.parent}")
@@ -81,21 +92,33 @@ def _complete(local: Path, m: mf.Manifest) -> bool:
         return False
 
 
+def _open_exact(fs, remote: str):
+    """The object opened for reading with no read-ahead cache where the backend has one (s3fs, http): each
+    read fetches what it asks for, so a shard longer than its manifest size is never fetched past it."""
+    try:
+        return fs.open(remote, "rb", cache_type="none")
+    except TypeError:  # a backend without cache types
+        return fs.open(remote, "rb")
+
+
 def _download(fs, remote: str, dest: Path, entry: mf.LayerEntry, where: str) -> None:
     """Stream one shard to `dest`, refusing it (exit 3) unless its size and sha256 match the manifest."""
     digest, got = hashlib.sha256(), 0
-    with objects.failures(where, CacheCorruptError, "shard is missing"), fs.open(remote, "rb") as src, open(dest, "xb") as out:
+    with objects.failures(where, CacheCorruptError, "shard is missing"), _open_exact(fs, remote) as src, open(dest, "xb") as out:
         while got <= entry.stored_bytes:
-            chunk = src.read(min(_CHUNK, entry.stored_bytes + 1 - got))
+            chunk = src.read(min(_CHUNK, entry.stored_bytes + 1 - got))  # one byte past the size tells a longer shard
             if not chunk:
                 break
+            got += len(chunk)
+            if got > entry.stored_bytes:
+                break  # never written, never read further
             digest.update(chunk)
             out.write(chunk)
-            got += len(chunk)
         out.flush()
         os.fsync(out.fileno())
     if got != entry.stored_bytes:
-        raise CacheCorruptError(f"{where}: {'more than' if got > entry.stored_bytes else ''} {got} bytes in the store, manifest says {entry.stored_bytes}")
+        size = f"more than {entry.stored_bytes}" if got > entry.stored_bytes else f"{got}"
+        raise CacheCorruptError(f"{where}: {size} bytes in the store, manifest says {entry.stored_bytes}")
     if digest.hexdigest() != entry.sha256:
         raise CacheCorruptError(f"{where}: checksum mismatch (the shard in the object store is damaged or was changed)")
 

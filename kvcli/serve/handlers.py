@@ -85,19 +85,15 @@ class Connection:
 
 
 def _options(req: dict[str, Any]):
+    """The request's generation options, checked as the CLI checks its own (kvcli/generation.py): a bad
+    value is the CLI's message and exit 2, never a silent reinterpretation (a string `stop`)."""
     from ..engine.answer import GenerationOptions
+    from ..generation import check_options
 
     o = req.get("options") or {}
     if not isinstance(o, dict):
         raise protocol.ProtocolError("options must be an object")
-    known = {"max_new_tokens", "temperature", "top_p", "seed", "stop", "repetition_penalty", "no_repeat_ngram_size"}
-    extra = set(o) - known
-    if extra:
-        raise protocol.ProtocolError(f"unknown options: {', '.join(sorted(extra))}")
-    o = dict(o)
-    if "stop" in o:
-        o["stop"] = tuple(o["stop"])
-    return GenerationOptions(**o)
+    return GenerationOptions(**check_options(o))
 
 
 def _strings(req: dict[str, Any], name: str) -> list[str]:
@@ -125,8 +121,11 @@ def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     returns the exit code. The questions join their model's engine with everyone else's."""
     from ..events import ask_events
 
+    from ..generation import check_trust
+
     caches, questions = _strings(req, "caches"), _strings(req, "questions")
     opts = _options(req)
+    check_trust(req.get("trust_remote_code"), req.get("model"))
     batch_size = req.get("batch_size")
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
         raise protocol.ProtocolError("batch_size must be a whole number of at least 1")

@@ -5,6 +5,14 @@ OpenAI's chunk format, ending with `data: [DONE]`). Errors are OpenAI error obje
 Each request's answer joins its model's engine (engine/scheduling/scheduler.py), decoded together with every
 other request on that document up to the batch width; at most `max_queue` more requests wait per
 model, more get 503. A client that disconnects, streaming or not, takes its row out at the next step. Binding anything but loopback requires an API key (Bearer token).
+
+What a request must be (the rest is refused before any model work): a Host header naming the server
+(loopback names, the bound address, or a name given with `--allow-host`: 400 otherwise, which stops DNS
+rebinding); for POST, a `Content-Type: application/json` body (415 otherwise: no HTML form can send
+one without a CORS preflight) of at most `max_body` bytes (413, read no further); no browser origin
+is allowed by CORS unless `--allow-origin` names it; `max_tokens` at most the server's `--max-tokens`
+(400). Answers name no server path: model ids are relative to their `--docs` folder, and error
+messages have the folders taken out.
 Needs the `serve` extra (starlette, sse-starlette, uvicorn), imported only when a server is built.
 """
 
@@ -12,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import logging
 import socket
@@ -20,38 +27,19 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from ..errors import CacheError, ConversationError, KvcliError, UsageError
+from ..errors import CacheError, ConversationError, KvcliError
 from . import openai_api as oa
 from .docs import DocsProvider, Opened, Provider
+from .guard import LOOPBACK_NAMES, allowed_hosts, check_bind, check_origins, is_loopback, parse_address, scrub  # noqa: F401
 from .warm import Cancelled
 
 log = logging.getLogger("kvcli.serve.http")
 DEFAULT_MAX_QUEUE = 32  # requests waiting per model before 503
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """HOST:PORT (or [IPv6]:PORT) -> (host, port); UsageError when malformed."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageError(f"--http {text}: expected HOST:PORT, e.g. 127.0.0.1:8000")
-    return host.strip("[]"), int(port)
-
-
-def check_bind(host: str, api_key: str | None) -> None:
-    """Only loopback without a key: anyone who can reach the port could read the documents."""
-    if not is_loopback(host) and not api_key:
-        raise UsageError(f"--http {host}: listening on a non-loopback address needs --api-key (clients send it as a Bearer token)")
+DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body (the socket server's longest request line too)
+DEFAULT_MAX_TOKENS = 4096  # most answer tokens one request may ask for (--max-tokens)
 
 
 class _Gate:
@@ -95,13 +83,20 @@ class _Abandoned(Exception):
     """The client went away: raised from the text callback to stop generating."""
 
 
-def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE):
-    """The ASGI (starlette) app over `provider`."""
+def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+               hosts: Sequence[str] = LOOPBACK_NAMES, origins: Sequence[str] = (), max_body: int = DEFAULT_MAX_BODY,
+               max_tokens: int = DEFAULT_MAX_TOKENS):
+    """The ASGI (starlette) app over `provider`. hosts: the Host header names answered (allowed_hosts());
+    origins: browser origins CORS allows (none by default); max_body: bytes of a request body;
+    max_tokens: most answer tokens a request may ask for."""
     from sse_starlette import EventSourceResponse
     from starlette.applications import Starlette
     from starlette.background import BackgroundTask
     from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
+    from starlette.middleware.trustedhost import TrustedHostMiddleware
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
@@ -110,6 +105,11 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
 
     gates: dict[int, _Gate] = {}
     token = api_key.encode() if api_key else None
+    folders = [str(f) for f in getattr(provider, "folders", ())]
+    folders += [str(Path(f).resolve()) for f in folders]
+
+    def hidden(text: str) -> str:
+        return scrub(text, folders)
 
     def error(exc: oa.ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -126,7 +126,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
             except oa.ApiError as exc:
                 return error(exc)
             except Exception as exc:  # a bug: logged here, one line to the client
-                log.exception("unexpected error answering %s", request.url.path)
+                log.exception("unexpected error answering %s", request.url.path)  # the log is the server's: paths may stay
                 return error(oa.ApiError(500, f"internal error ({exc.__class__.__name__})", type="server_error"))
 
         return wrapped
@@ -135,9 +135,9 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
         try:
             opened = await run_in_threadpool(provider.open, model_id)
         except CacheError as exc:
-            raise oa.ApiError(409, str(exc), param="model", code="cache_unusable") from None
+            raise oa.ApiError(409, hidden(str(exc)), param="model", code="cache_unusable") from None
         except KvcliError as exc:
-            raise oa.ApiError(500, str(exc), type="server_error", code="model_unavailable") from None
+            raise oa.ApiError(500, hidden(str(exc)), type="server_error", code="model_unavailable") from None
         if opened is None:
             raise oa.ApiError(404, f"model '{model_id}' does not exist: no such cache (see GET /v1/models)",
                               param="model", code="model_not_found")
@@ -145,21 +145,37 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
 
     async def list_models(request):
         rows = await run_in_threadpool(provider.models)
-        return JSONResponse({"object": "list", "data": [oa.model_entry(i, row) for i, row in rows]})
+        return JSONResponse({"object": "list", "data": [oa.model_entry(i, row, hidden) for i, row in rows]})
 
     async def get_model(request):
         model_id = request.path_params["model_id"]
         rows = dict(await run_in_threadpool(provider.models))
         if model_id not in rows:
             raise oa.ApiError(404, f"model '{model_id}' does not exist", param="model", code="model_not_found")
-        return JSONResponse(oa.model_entry(model_id, rows[model_id]))
+        return JSONResponse(oa.model_entry(model_id, rows[model_id], hidden))
+
+    async def read_body(request) -> bytes:
+        """The body, refused (415) unless JSON and (413) once past max_body bytes, never read further."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise oa.ApiError(415, f"Content-Type must be application/json (got {kind or 'none'})", code="unsupported_media_type")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body):
+            raise oa.ApiError(413, f"the request body is larger than {max_body:,} bytes", code="request_too_large")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > max_body:
+                raise oa.ApiError(413, f"the request body is larger than {max_body:,} bytes", code="request_too_large")
+        return bytes(body)
 
     async def chat(request):
+        raw = await read_body(request)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except ValueError:
             raise oa.ApiError(400, "the request body is not valid JSON") from None
-        req = oa.parse_chat(body)
+        req = oa.parse_chat(body, max_tokens=max_tokens)
         opened = await open_model(req.model)
         release = _once(opened.release)
         try:
@@ -167,11 +183,11 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
             try:
                 conversation.check_system(session.framing, req.system, "messages[0].content")
             except ConversationError as exc:
-                raise oa.ApiError(400, str(exc), param=exc.field) from None
+                raise oa.ApiError(400, hidden(str(exc)), param=exc.field) from None
             try:
                 prompt = await run_in_threadpool(session.prompt_ids, req.question, req.history)
             except KvcliError as exc:  # a chat template that cannot hold a conversation
-                raise oa.ApiError(400, str(exc), param="messages") from None
+                raise oa.ApiError(400, hidden(str(exc)), param="messages") from None
             limit = session.lm.max_positions
             if limit and len(prompt) >= limit:
                 raise oa.ApiError(400, f"messages: the prompt needs {len(prompt)} of the model's {limit} positions",
@@ -181,7 +197,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
         except BaseException:
             release()
             raise
-        opts = an.GenerationOptions(max_new_tokens=req.max_tokens or an.DEFAULT_MAX_NEW_TOKENS, temperature=req.temperature,
+        opts = an.GenerationOptions(max_new_tokens=req.max_tokens or min(an.DEFAULT_MAX_NEW_TOKENS, max_tokens), temperature=req.temperature,
                                     top_p=req.top_p, seed=req.seed, stop=req.stop)
         cid = oa.completion_id()
         gone = threading.Event()
@@ -235,7 +251,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
                 try:
                     result = fut.result()
                 except KvcliError as exc:
-                    yield data(oa.ApiError(500, str(exc), type="server_error").body())
+                    yield data(oa.ApiError(500, hidden(str(exc)), type="server_error").body())
                     return
                 except Exception as exc:
                     log.error("unexpected error while streaming: %r", exc)
@@ -261,7 +277,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
     async def not_found(request, exc):
         status = getattr(exc, "status_code", 404)
         text = "no such endpoint" if status == 404 else f"{request.method} is not allowed here"
-        return error(oa.ApiError(status, f"{request.url.path}: {text}", code="not_found" if status == 404 else "method_not_allowed"))
+        return error(oa.ApiError(status, f"{request.url.path[:200]}: {text}", code="not_found" if status == 404 else "method_not_allowed"))
 
     routes = [
         Route("/v1/models", endpoint(list_models), methods=["GET"]),
@@ -269,7 +285,12 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
         Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
         Route("/health", endpoint(health), methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: not_found})
+    middleware = [
+        Middleware(TrustedHostMiddleware, allowed_hosts=list(hosts), www_redirect=False),
+        Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                   allow_headers=["authorization", "content-type"], max_age=600),
+    ]
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: not_found})
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -281,12 +302,15 @@ def _listen(host: str, port: int) -> socket.socket:
         raise KvcliError(f"--http {host}:{port}: cannot listen ({exc.strerror or exc})") from None
 
 
-def _server(provider: Provider, sock: socket.socket, api_key: str | None, max_queue: int):
+def _server(provider: Provider, sock: socket.socket, api_key: str | None, max_queue: int, **limits):
     import uvicorn
 
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(create_app(provider, api_key=api_key, max_queue=max_queue), host=host, port=port,
-                            log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+    hosts = allowed_hosts(host, limits.pop("allow_hosts", ()))
+    origins = check_origins(limits.pop("allow_origins", ()))
+    app = create_app(provider, api_key=api_key, max_queue=max_queue, hosts=hosts, origins=origins, **limits)
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=5)
     return uvicorn.Server(config)
 
 
@@ -308,11 +332,15 @@ class Running:
 
 
 def start(host: str, port: int, *, provider: Provider | None = None, docs: Sequence[str] = (), api_key: str | None = None,
-          max_queue: int = DEFAULT_MAX_QUEUE, ready_timeout: float = 30.0) -> Running:
-    """Serve in a daemon thread; returns once it accepts connections (port 0 picks a free port)."""
+          max_queue: int = DEFAULT_MAX_QUEUE, ready_timeout: float = 30.0, allow_hosts: Sequence[str] = (),
+          allow_origins: Sequence[str] = (), max_body: int = DEFAULT_MAX_BODY, max_tokens: int = DEFAULT_MAX_TOKENS) -> Running:
+    """Serve in a daemon thread; returns once it accepts connections (port 0 picks a free port).
+    allow_hosts/allow_origins/max_body/max_tokens: see create_app and allowed_hosts."""
     check_bind(host, api_key)
+    allowed_hosts(host, allow_hosts), check_origins(allow_origins)  # a bad name is a usage error before binding
     sock = _listen(host, port)
-    server = _server(provider or DocsProvider(docs), sock, api_key, max_queue)
+    server = _server(provider or DocsProvider(docs), sock, api_key, max_queue, allow_hosts=allow_hosts,
+                     allow_origins=allow_origins, max_body=max_body, max_tokens=max_tokens)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvcli-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + ready_timeout
@@ -325,8 +353,11 @@ def start(host: str, port: int, *, provider: Provider | None = None, docs: Seque
 
 
 def run(host: str, port: int, *, provider: Provider | None = None, docs: Sequence[str] = (), api_key: str | None = None,
-        max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+        max_queue: int = DEFAULT_MAX_QUEUE, allow_hosts: Sequence[str] = (), allow_origins: Sequence[str] = (),
+        max_body: int = DEFAULT_MAX_BODY, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
     """Serve in the foreground until Ctrl-C or SIGTERM (in-flight answers end first, up to 5 s)."""
     check_bind(host, api_key)
+    allowed_hosts(host, allow_hosts), check_origins(allow_origins)
     sock = _listen(host, port)
-    _server(provider or DocsProvider(docs), sock, api_key, max_queue).run(sockets=[sock])
+    _server(provider or DocsProvider(docs), sock, api_key, max_queue, allow_hosts=allow_hosts, allow_origins=allow_origins,
+            max_body=max_body, max_tokens=max_tokens).run(sockets=[sock])

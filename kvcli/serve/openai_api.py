@@ -14,6 +14,9 @@ from typing import Any
 
 from ..engine.prompt import conversation
 from ..errors import ConversationError
+from ..generation import OptionError, check_options
+
+HTTP_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop"}
 
 
 class ApiError(Exception):
@@ -57,17 +60,9 @@ def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = Fals
     return float(value)
 
 
-def _integer(body: dict, name: str, lo: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise _bad(name, f"must be an integer of at least {lo}")
-    return value
-
-
-def parse_chat(body: Any) -> ChatRequest:
-    """Check a chat-completions body; ApiError(400) names the first bad field."""
+def parse_chat(body: Any, *, max_tokens: int | None = None) -> ChatRequest:
+    """Check a chat-completions body; ApiError(400) names the first bad field. max_tokens: the server's cap
+    on max_tokens / max_completion_tokens (a request above it is a 400, as vLLM answers one past the context)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -77,21 +72,22 @@ def parse_chat(body: Any) -> ChatRequest:
         system, history, question = conversation.from_messages(body.get("messages"))
     except ConversationError as exc:
         raise ApiError(400, str(exc), param=exc.field) from None
-    max_tokens = _integer(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1)
-    temperature = _number(body, "temperature", 0, 2)
-    top_p = _number(body, "top_p", 0, 1, lo_open=True)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _bad("seed", "must be an integer")
+    token_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    temperature = _number(body, "temperature", 0, 2)  # OpenAI's range; the rest is kvcli's one check (generation.py)
     stop = body.get("stop")
-    if isinstance(stop, str):
+    if isinstance(stop, str):  # OpenAI's one stop string: a list of one, never one stop per character
         stop = [stop]
-    if stop is None:
-        stop = []
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise _bad("stop", "must be a string or a list of up to 4 non-empty strings")
+    if isinstance(stop, list) and len(stop) > 4:
+        raise _bad("stop", "at most 4 stop strings")
+    names = {**HTTP_NAMES, "max_new_tokens": token_field}
+    try:
+        checked = check_options({"max_new_tokens": body.get(token_field), "temperature": temperature,
+                                 "top_p": body.get("top_p"), "seed": body.get("seed"), "stop": stop}, names,
+                                max_new_tokens_cap=max_tokens)
+    except OptionError as exc:
+        param = names.get(exc.field, exc.field)
+        raise ApiError(400, str(exc), param=param,
+                       code="max_tokens_exceeded" if "--max-tokens" in str(exc) else None) from None
     if body.get("n") not in (None, 1):
         raise _bad("n", "only n=1 is supported")
     stream = body.get("stream", False)
@@ -106,18 +102,22 @@ def parse_chat(body: Any) -> ChatRequest:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("response_format", "only {\"type\": \"text\"} is supported")
-    return ChatRequest(model=model, system=system, history=history, question=question, max_tokens=max_tokens,
-                       temperature=temperature or 0.0, top_p=1.0 if top_p is None else top_p, seed=seed,
-                       stop=tuple(stop), stream=bool(stream), include_usage=bool(options.get("include_usage")))
+    return ChatRequest(model=model, system=system, history=history, question=question,
+                       max_tokens=checked.get("max_new_tokens"), temperature=checked.get("temperature") or 0.0,
+                       top_p=checked.get("top_p", 1.0), seed=checked.get("seed"), stop=checked.get("stop", ()),
+                       stream=bool(stream), include_usage=bool(options.get("include_usage")))
 
 
-def model_entry(model_id: str, row: dict[str, Any]) -> dict[str, Any]:
-    """One /v1/models entry: OpenAI's fields plus kvcli's own metadata under "kvcli"."""
-    created = int(time.time() - row.get("age_s", 0.0))
+def model_entry(model_id: str, row: dict[str, Any], scrub=lambda text: text) -> dict[str, Any]:
+    """One /v1/models entry: OpenAI's fields plus kvcli's own metadata under "kvcli" (no server path: the id
+    names the cache; scrub(text) takes paths out of an error and of a model recorded by its folder)."""
+    created = int(time.time() - (row.get("age_s") or 0.0))
     if "error" in row:
-        meta = {"path": row["path"], "error": row["error"]}
+        meta = {"error": scrub(row["error"])}
     else:
-        meta = {k: row.get(k) for k in ("path", "num_tokens", "model", "model_type", "dtype", "bytes_on_disk", "bytes_raw")}
+        meta = {k: row.get(k) for k in ("num_tokens", "model", "model_type", "dtype", "bytes_on_disk", "bytes_raw")}
+        if isinstance(meta["model"], str):
+            meta["model"] = scrub(meta["model"])
         meta["document"] = (row.get("document") or {}).get("name")
         meta["system"] = (row.get("framing") or {}).get("system")
     return {"id": model_id, "object": "model", "created": created, "owned_by": "kvcli", "kvcli": meta}

@@ -15,7 +15,10 @@ model are stepped in turn, and a prefill's chunks take turns with those steps. A
 replaced since it was restored (directory or manifest identity changed) is restored again, never
 answered from the old copy. Entries in use are never evicted; the rest go least recently used first.
 Any number of front ends (the unix socket, HTTP) share one Warm: one LRU, one staleness rule, one
-memory account.
+memory account. The account is the bytes held now, measured (a cache's buffers with their spare room,
+grown by rows decoded one at a time, and the suffix buffers of the batch answering it), not the figure
+taken at restore: it is measured again, and entries not in use evicted to fit, whenever a question
+starts or an answer completes, and whenever a request ends.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from . import memory
 
 Note = Callable[[str], None]
 
@@ -51,6 +56,15 @@ class _Entry:
     prefills: int = 0  # models: documents prefilled with it
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
+    measure: Callable[[], int] | None = None  # caches: the bytes held now (buffers grow while answering)
+
+    def size(self) -> int:
+        if self.measure is not None:
+            try:
+                self.nbytes = self.measure()
+            except Exception:  # a buffer swapped mid-measure: the last figure stands until the next one
+                pass
+        return self.nbytes
 
 
 class Lease:
@@ -91,9 +105,11 @@ class Lease:
 
         def answered(i: int, a: Any) -> None:
             self._warm._served("answers", self._entry, self._model)
+            self._warm.fit()  # the account as held now (suffix buffers and grown caches counted): others go if over
             if on_answer:
                 on_answer(i, a)
 
+        self._warm.fit()
         try:
             return self.session.ask_many(questions, options or GenerationOptions(), batch_size=batch_size, check=check,
                                          on_text=on_text, on_answer=answered, cancelled=cancelled, history=history)
@@ -113,53 +129,13 @@ class HeldModel:
         self._warm._served("prefills", self._entry)
 
 
-def total_memory() -> int:
-    """Physical memory in bytes (0 if unknown)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def default_max_memory() -> int:
-    """Half of the machine's RAM (at least 1 GiB): room for models and caches, and for everything else."""
-    return max(1 << 30, total_memory() // 2)
-
-
-def _nbytes_model(lm: Any) -> int:
-    m = lm.model
-    return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
-
-
-def _nbytes_states(states: list) -> int:
-    seen, total = set(), 0
-    for s in states:
-        for t in (s.keys, s.values):
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen:  # views share their buffer (with its spare room)
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-    return total
-
-
-def _identity(path: Path) -> tuple:
-    """Directory and manifest identity: any replace or rewrite of the cache changes it."""
-    d = os.stat(path)
-    try:
-        m = os.stat(path / "manifest.json")
-        mid = (m.st_ino, m.st_size, m.st_mtime_ns)
-    except OSError:
-        mid = ()
-    return (d.st_dev, d.st_ino, d.st_mtime_ns, *mid)
-
-
 class Warm:
     """Loaded models and restored caches, least recently used first out when over max_memory bytes."""
 
     def __init__(self, max_memory: int | None = None, batch_size: int | None = None):
         from ..engine.answer import DEFAULT_BATCH
 
-        self.max_memory = max_memory or default_max_memory()
+        self.max_memory = max_memory or memory.default_max_memory()
         self.batch_size = batch_size or DEFAULT_BATCH  # questions on one document decoded together
         self._entries: dict[str, _Entry] = {}  # insertion order = use order (moved to the end on use)
         self._alias: dict[str, str] = {}  # requested model key -> the key of what was loaded
@@ -220,7 +196,7 @@ class Warm:
             entries = list(self._entries.values())
         rows = {"models": [], "caches": []}
         for e in reversed(entries):  # most recently used first
-            row = {**e.info, "bytes": e.nbytes, "loaded_at": e.loaded_at, "last_used": e.last_used, "answers": e.answers, "in_use": e.users}
+            row = {**e.info, "bytes": e.size(), "loaded_at": e.loaded_at, "last_used": e.last_used, "answers": e.answers, "in_use": e.users}
             if e.kind == "model":
                 row["prefills"] = e.prefills
             lm = e.obj if e.kind == "model" else e.obj.lm
@@ -245,6 +221,11 @@ class Warm:
     def count(self, name: str) -> None:
         with self._mutex:
             self._counters[name] = self._counters.get(name, 0) + 1
+
+    def fit(self) -> None:
+        """Measure what is held now and evict least recently used entries not in use until it fits max_memory."""
+        with self._mutex:
+            self._evict()
 
     def clear(self) -> None:
         """Drop everything not in use."""
@@ -302,7 +283,7 @@ class Warm:
     def _fresh_cache(self, key: str, path: Path) -> _Entry | None:
         """The held Session for this request if its directory is still the one restored."""
         try:
-            now = _identity(path)
+            now = memory.identity(path)
         except OSError:
             now = None
         with self._mutex:
@@ -324,7 +305,7 @@ class Warm:
         from ..format import store
 
         try:
-            identity = _identity(path)  # taken before reading: a replace after this is caught next time
+            identity = memory.identity(path)  # taken before reading: a replace after this is caught next time
         except OSError:
             identity = ()
         from ..engine.model import fit
@@ -344,7 +325,8 @@ class Warm:
             session = an.Session(model_entry.obj, path, convert_dtype=convert_dtype)
             info = {"path": str(path), "model": model_entry.info["name"], "num_tokens": len(session.token_ids),
                     "dtype": manifest.dtype, "load_s": round(session.load_s, 4)}
-            entry = _Entry(key, "cache", session, _nbytes_states(session.states), info, identity=identity, model_key=model_entry.key, users=1)
+            entry = _Entry(key, "cache", session, session.nbytes(), info, identity=identity, model_key=model_entry.key, users=1,
+                           measure=session.nbytes)
             with self._mutex:
                 self._entries[key] = entry
                 self._evict()
@@ -369,7 +351,7 @@ class Warm:
                 return existing
             info = {"name": lm.source.get("name") or lm.fingerprint.get("name"), "source": lm.source.get("kind"),
                     "dtype": dtype_name(lm.dtype), "device": str(lm.device)}
-            entry = _Entry(canonical, "model", lm, _nbytes_model(lm), info, users=1)
+            entry = _Entry(canonical, "model", lm, memory.model_bytes(lm), info, users=1)
             self._entries[canonical] = entry
             self._evict()
             return entry
@@ -377,7 +359,7 @@ class Warm:
     def _evict(self, limit: int | None = None) -> None:
         """Drop least recently used entries not in use until the total fits (caller holds the mutex)."""
         limit = self.max_memory if limit is None else limit
-        total = sum(e.nbytes for e in self._entries.values())
+        total = sum(e.size() for e in self._entries.values())
         for key in list(self._entries):
             if total <= limit:
                 return

@@ -48,9 +48,11 @@ class FullLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, : self.offset], self._v[:, :, : self.offset]  # [b, h, offset, d]
 
     def _grow(self, need: int) -> None:
-        """Move to a buffer for at least `need` tokens, copying the used part (the only copy ever made)."""
+        """Move to a buffer for at least `need` tokens, copying the used part: `need` rounded up to whole steps,
+        at least one step more, never a fraction of the whole cache (a long document must not grow by a quarter
+        of itself for a few answer tokens)."""
         cap = self._k.shape[2]
-        new = max(need, cap + max(self.step, cap // 4))
+        new = max(need, cap + self.step)
         new = -(-new // self.step) * self.step
         bufs = []
         for old in (self._k, self._v):
@@ -58,6 +60,16 @@ class FullLayer(DynamicLayer):
             buf[:, :, : self.offset].copy_(old[:, :, : self.offset])
             bufs.append(buf)
         self._k, self._v = bufs  # assigned once filled: a reader of the document's views sees old or new, both whole
+
+    def ensure(self, tokens: int) -> None:
+        """Room for `tokens` more after the used part (one growth now, if any, instead of several later)."""
+        if self.is_initialized and self._k is not None and self.offset + tokens > self._k.shape[2]:
+            self._grow(self.offset + tokens)
+            self._views()
+
+    @property
+    def capacity(self) -> int:
+        return self._k.shape[2] if self._k is not None else 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, q, d = key_states.shape
@@ -205,6 +217,24 @@ class KVCache(Cache):
         if layer_idx == 0:
             self.processed += key_states.shape[-2]
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def ensure(self, tokens: int) -> None:
+        """Room for `tokens` more in every full-attention layer (a question and its answer: grown once, if at all)."""
+        for layer in self.layers:
+            if isinstance(layer, FullLayer):
+                layer.ensure(tokens)
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer this cache holds now (spare room included; views counted once)."""
+        seen, total = set(), 0
+        for layer in self.layers:
+            for t in ((layer._k, layer._v) if isinstance(layer, FullLayer) else (*(layer._doc or ())[:2], layer.keys, layer.values)):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    st = t.untyped_storage()
+                    if st.data_ptr() not in seen:
+                        seen.add(st.data_ptr())
+                        total += st.nbytes()
+        return total
 
     def rewind(self) -> None:
         """Back to the document's length, without copying; the processed count starts again at 0."""

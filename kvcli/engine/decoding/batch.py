@@ -141,6 +141,21 @@ class Decoder:
         return finished
 
 
+def decode_rows(model: Any, states: Sequence[Any], rows: list[Row], *, batch_size: int, eos: set[int],
+                pad_id: int, done: Callable[[Row], None] | None = None) -> None:
+    """Run every row to its end through one Decoder, outside any engine (the batching probe, tests), at most
+    batch_size at once; rows fill in place (answer, timings)."""
+    if not rows:
+        return
+    decoder = Decoder(model, states, width=min(batch_size, len(rows)), eos=eos, pad_id=pad_id)
+    for row in rows:
+        decoder.add(row)
+    while decoder.busy:
+        for row in decoder.step():
+            if done:
+                done(row)
+
+
 def take(row: Row, logits: torch.Tensor, eos: set[int]) -> None:
     """Choose the row's next id from its logits [vocab] and say whether that ended its answer."""
     if row.logits is not None:
@@ -154,16 +169,6 @@ def take(row: Row, logits: torch.Tensor, eos: set[int]) -> None:
         row.finish_reason = "stop"
     elif len(row.answer) >= row.max_new:
         row.finish_reason = "length"
-
-
-def decode_rows(model: Any, states: Sequence[Any], rows: list[Row], *, batch_size: int, eos: set[int], pad_id: int) -> None:
-    """Run every row to its end on one Decoder, at most batch_size at once (the probe's direct use; askers go
-    through the engine)."""
-    decoder = Decoder(model, states, width=min(batch_size, len(rows)), eos=eos, pad_id=pad_id)
-    for row in rows:
-        decoder.add(row)
-    while decoder.busy:
-        decoder.step()
 
 
 def check_lengths(states: Sequence[Any], length: int | None = None) -> int:

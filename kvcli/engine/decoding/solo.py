@@ -54,6 +54,7 @@ class SoloDecoder:
                     return []
                 row = self.waiting.pop(0)
                 self.cache.rewind()
+                self.cache.ensure(len(row.appended) + row.max_new)  # the question and its whole answer: grown once, if at all
                 self.active = [row]
                 ids = row.appended
             else:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 def sha256_json(obj: Any) -> str:
@@ -13,8 +17,9 @@ def sha256_json(obj: Any) -> str:
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or_path", "_commit_hash", "dtype", "torch_dtype", "use_cache"}
 
 
-def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
-    """What must match between the model that built a cache and the one that reads it."""
+def fingerprint(model: Any, tokenizer: Any, files: Sequence[Path] = (), memo: Path | None = None) -> dict[str, Any]:
+    """What must match between the model that built a cache and the one that reads it (files, memo: where the
+    weights were read from and where their fingerprint is remembered, see weights_sha256)."""
     from ...format.codec import dtype_name
 
     config = model.config
@@ -30,7 +35,8 @@ def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
         "name": getattr(config, "_name_or_path", "") or config.model_type,
         "model_type": config.model_type,
         "config_sha256": sha256_json(cfg),
-        "weights_sha256": weights_sha256(model),
+        "weights_sha256": weights_sha256(model, files, memo),
+        "weights_scheme": WEIGHTS_SCHEME,
         "tokenizer_sha256": tokenizer_sha256(tokenizer),
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None,
         "dtype": dtype_name(model.dtype),
@@ -41,21 +47,71 @@ def fingerprint(model: Any, tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def weights_sha256(model: Any, samples: int = 1024) -> str:
-    """Hash a fixed sample of every weight (as bfloat16, so dtype is checked separately): cheap at any
-    model size, and it tells a fine-tune apart from its base model, which share config and tokenizer."""
+WEIGHTS_SCHEME = "every-element-bf16"  # what weights_sha256 covers (0.2 hashed 1,024 samples per tensor: no scheme)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_CHUNK = 1 << 24  # elements hashed at a time (bounded extra memory: 32 MiB as bfloat16)
+
+
+def weights_sha256(model: Any, files: Sequence[Path] = (), memo: Path | None = None) -> str:
+    """sha256 over every element of every weight, as bfloat16 (so the dtype a model is loaded in, checked
+    separately, does not change it, and --convert-dtype can match), with each tensor's name and shape: an edit
+    of any weight changes it. `files`: the model files the weights were read from; the value is remembered
+    in the folder `memo` ($KVCLI_HOME/fingerprints) by their identity (path, size, mtime, inode), so loading
+    the same files again costs a stat per file, not a pass over the weights."""
+    key = _files_key(files) if memo is not None else None
+    if key is not None:
+        try:
+            value = (memo / key).read_text().strip()
+            if len(value) == 64:
+                return value
+        except OSError:
+            pass
+    value = _hash_every_weight(model)
+    if key is not None:
+        _remember(memo / key, value)
+    return value
+
+
+def _hash_every_weight(model: Any) -> str:
     import torch
 
-    h = hashlib.sha256()
+    h = hashlib.sha256(WEIGHTS_SCHEME.encode())
     with torch.no_grad():
         for name, param in model.named_parameters():
             flat = param.detach().reshape(-1)
-            k = min(samples, flat.numel())
-            idx = (torch.arange(k, dtype=torch.long) * (flat.numel() - 1) // max(k - 1, 1)).to(flat.device)
-            sample = flat[idx].to("cpu", torch.bfloat16).view(torch.int16)
             h.update(f"{name}:{list(param.shape)}:".encode())
-            h.update(sample.numpy().tobytes())
+            for start in range(0, flat.numel(), _CHUNK):
+                part = flat[start : start + _CHUNK].to("cpu", torch.bfloat16).view(torch.int16)
+                h.update(part.numpy().tobytes())
     return h.hexdigest()
+
+
+def weight_files(folder: str | os.PathLike) -> list[Path]:
+    """The files a model folder's weights are read from (every one of them, sorted)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+
+
+def _files_key(files: Sequence[Path]) -> str | None:
+    if not files:
+        return None
+    try:
+        ident = [(str(Path(f).resolve()), (st := os.stat(f)).st_size, st.st_mtime_ns, st.st_ino) for f in files]
+    except OSError:
+        return None
+    return sha256_json([WEIGHTS_SCHEME, ident])[:32]
+
+
+def _remember(memo: Path, value: str) -> None:
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{uuid.uuid4().hex[:8]}")
+        tmp.write_text(value)
+        os.replace(tmp, memo)
+    except OSError:
+        pass
 
 
 def tokenizer_sha256(tokenizer: Any) -> str:

@@ -361,7 +361,21 @@ def load(
     attention.select(lm)
     if source["kind"] == "hub":
         source["revision"] = getattr(lm.config, "_commit_hash", None) or source.get("revision")
-    return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fingerprint(lm, tok))
+    return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fingerprint(lm, tok, _weight_files(source, where), kvcli_home() / "fingerprints"))
+
+
+def _weight_files(source: dict[str, Any], where: str) -> list[Path]:
+    """The files the weights were just read from (the fingerprint is remembered by their identity)."""
+    from .fingerprint import weight_files
+
+    if source["kind"] != "hub":
+        return weight_files(where)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return weight_files(snapshot_download(source["id"], revision=source.get("revision"), local_files_only=True))
+    except Exception:  # not in the local hub cache as one snapshot: hashed at every load
+        return []
 
 
 def from_objects(model: Any, tokenizer: Any, *, name: str = "in-memory") -> LoadedModel:

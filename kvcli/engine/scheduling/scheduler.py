@@ -157,6 +157,9 @@ class Engine:
                 self._askers[id(session)] -= 1
                 if not self._askers[id(session)]:
                     del self._askers[id(session)]
+                    held = self._decoders.get(id(session))
+                    if held is not None and not held[1].busy and not self._leaving:
+                        del self._decoders[id(session)]  # its suffix buffers go now, not at the engine's next wake-up
                 self._cv.notify()
         return answers
 
@@ -184,6 +187,14 @@ class Engine:
         if self._thread is None or not self._thread.is_alive():  # caller holds _cv
             self._thread = threading.Thread(target=self._run, name="kvcli-engine", daemon=True)
             self._thread.start()
+
+    def suffix_bytes(self, session: Any) -> int:
+        """Bytes of the suffix buffers the batch of this document holds now (0 one at a time, or when idle)."""
+        with self._cv:
+            held = self._decoders.get(id(session))
+        cache = getattr(held[1], "cache", None) if held else None
+        layers = getattr(cache, "layers", None) if cache is not None and not hasattr(cache, "rewind") else None
+        return sum(t.numel() * t.element_size() for layer in layers or () for t in (layer.keys, layer.values))
 
     def _decoder(self, session: Any, width: int) -> Any:
         length = len(session.token_ids)

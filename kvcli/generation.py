@@ -1,0 +1,97 @@
+"""The one check of generation options, whichever front end they come from (stdlib only: the served CLI imports it).
+
+The CLI, the socket server (serve/handlers.py) and the HTTP endpoint (serve/openai_api.py) all hand their
+options to `check_options`, so the same bad value gets the same refusal everywhere; only the spelling of
+an option's name differs (CLI_NAMES: `--top-p`, the spelling a socket client's user typed; the HTTP
+endpoint names OpenAI's fields). A `stop` given as one string is refused, never split into characters
+(the HTTP endpoint turns OpenAI's string `stop` into a list of one before it gets here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import UsageError
+
+FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop", "repetition_penalty", "no_repeat_ngram_size")
+CLI_NAMES = {f: "--" + f.replace("_", "-") for f in FIELDS}
+
+
+class OptionError(UsageError):
+    """A generation option the front ends refuse (exit 2); `field` is the option's library name."""
+
+    def __init__(self, message: str, *, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
+
+
+def check_options(values: Mapping[str, Any], names: Mapping[str, str] | Callable[[str], str] = CLI_NAMES, *,
+                  max_new_tokens_cap: int | None = None) -> dict[str, Any]:
+    """The checked keyword arguments of GenerationOptions from `values` (omitted or None: the default).
+
+    Raises OptionError naming the first bad option as `names` spells it. max_new_tokens_cap: a server's
+    limit on max_new_tokens (HTTP --max-tokens)."""
+    name = names if callable(names) else (lambda f: names.get(f, f))
+    extra = sorted(set(values) - set(FIELDS))
+    if extra:
+        raise OptionError(f"unknown options: {', '.join(extra)}", field=extra[0])
+
+    def bad(f: str, what: str) -> OptionError:
+        return OptionError(f"{name(f)} must be {what}", field=f)
+
+    out: dict[str, Any] = {}
+    v = values.get("max_new_tokens")
+    if v is not None:
+        if not _is_int(v) or v < 1:
+            raise bad("max_new_tokens", "a whole number of at least 1")
+        if max_new_tokens_cap is not None and v > max_new_tokens_cap:
+            raise bad("max_new_tokens", f"at most {max_new_tokens_cap} (this server's --max-tokens)")
+        out["max_new_tokens"] = v
+    v = values.get("temperature")
+    if v is not None:
+        if not _is_number(v) or v < 0:
+            raise bad("temperature", "a number of at least 0 (0: greedy)")
+        out["temperature"] = float(v)
+    v = values.get("top_p")
+    if v is not None:
+        if not _is_number(v) or not 0 < v <= 1:
+            raise bad("top_p", "above 0 and at most 1")
+        out["top_p"] = float(v)
+    v = values.get("seed")
+    if v is not None:
+        if not _is_int(v):
+            raise bad("seed", "a whole number")
+        out["seed"] = v
+    v = values.get("stop")
+    if v is not None:
+        if isinstance(v, str):
+            raise bad("stop", "a list of strings, not one string (each item is one stop string)")
+        if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) and s for s in v):
+            raise bad("stop", "a list of non-empty strings")
+        out["stop"] = tuple(v)
+    v = values.get("repetition_penalty")
+    if v is not None:
+        if not _is_number(v) or v <= 0:
+            raise bad("repetition_penalty", "above 0 (1 is off)")
+        out["repetition_penalty"] = float(v)
+    v = values.get("no_repeat_ngram_size")
+    if v is not None:
+        if not _is_int(v) or v < 0:
+            raise bad("no_repeat_ngram_size", "a whole number of at least 0 (0: off)")
+        out["no_repeat_ngram_size"] = v
+    return out
+
+
+def check_trust(trust_remote_code: Any, model: Any) -> None:
+    """--trust-remote-code only with an explicit --model: a cache must not choose whose code runs."""
+    if trust_remote_code and not model:
+        raise UsageError("--trust-remote-code needs an explicit --model: a cache must not choose whose code runs")
