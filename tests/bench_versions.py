@@ -5,7 +5,7 @@
 
 Both trees run in this interpreter's environment (PYTHONPATH points at each tree in turn), in fresh
 processes, alternating rounds so that machine noise falls on both alike. Each process loads the
-default model, opens the sample document's cache (prefilled once by this checkout) and measures:
+default model, opens the sample document's cache (prefilled once by each version) and measures:
   ttft        Session open (restore) plus the first answer token of one question, in-process
   decode      milliseconds per answer token of that question (64 tokens)
   batch8/16   wall time of 8 or 16 questions asked together (ask_many), 32 tokens each
@@ -72,12 +72,14 @@ def main() -> None:
     questions = (QUESTIONS + EXTRA)[:16]
     work = Path(tempfile.mkdtemp(prefix="kvcli-versions-"))
     env = {**os.environ, "KVCLI_SOCKET": str(work / "none.sock")}
-    subprocess.run([sys.executable, "-m", "kvcli", "prefill", str(ROOT / "samples" / "document.txt"), "-o", str(work / "doc.kv"),
-                    "--no-server", "--quiet"], check=True, env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    trees = {"other": args.other.resolve(), "here": ROOT}
+    for side, tree in trees.items():  # each version reads the caches it writes (0.3 fingerprints every weight)
+        subprocess.run([sys.executable, "-m", "kvcli", "prefill", str(ROOT / "samples" / "document.txt"), "-o",
+                        str(work / f"{side}.kv"), "--no-server", "--quiet"], check=True, env={**env, "PYTHONPATH": str(tree)}, cwd=tree)
     got: dict[str, list[dict]] = {"here": [], "other": []}
     for _ in range(args.rounds):
-        got["other"].append(run(args.other.resolve(), work / "doc.kv", questions, env))
-        got["here"].append(run(ROOT, work / "doc.kv", questions, env))
+        for side, tree in trees.items():
+            got[side].append(run(tree, work / f"{side}.kv", questions, env))
     keys = ["ttft_s", "decode_ms", "batch8_s", "batch16_s", "serial8_s"]
     med = {side: {k: statistics.median(r[k] for r in rows) for k in keys} for side, rows in got.items()}
     ratio = {k: med["here"][k] / med["other"][k] for k in keys}
