@@ -199,3 +199,15 @@ def test_the_remote_store_finds_kvcli_home_as_the_engine_does(monkeypatch, tmp_p
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         assert local_store.root() == models.kvcli_home() / "remote"
+
+
+def test_the_connector_fingerprints_a_model_folder_as_the_engine_does(tiny_model_dir):
+    """The four hashes vLLM's side recomputes from the served folder equal the ones kvcli's engine records."""
+    import kvcli
+    from kvcli.integrations import fingerprint
+
+    lm = kvcli.load(str(tiny_model_dir))
+    got = fingerprint.of_folder(str(tiny_model_dir))
+    for key in ("config_sha256", "tokenizer_sha256", "chat_template_sha256", "weights_sha256"):
+        assert got[key] == lm.fingerprint[key], key
+    assert got["weights_sha256"] is not None

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-def sha256_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()).hexdigest()
-
-
-_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or_path", "_commit_hash", "dtype", "torch_dtype", "use_cache"}
+from ...format.identity import (WEIGHTS_SCHEME, config_sha256, sha256_json, template_sha256,  # noqa: F401  (the API's names)
+                                tokenizer_sha256, weights_sha256 as hash_weights)
 
 
 def fingerprint(model: Any, tokenizer: Any, files: Sequence[Path] = (), memo: Path | None = None) -> dict[str, Any]:
@@ -24,7 +19,6 @@ def fingerprint(model: Any, tokenizer: Any, files: Sequence[Path] = (), memo: Pa
 
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
     heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -34,11 +28,11 @@ def fingerprint(model: Any, tokenizer: Any, files: Sequence[Path] = (), memo: Pa
     return {
         "name": getattr(config, "_name_or_path", "") or config.model_type,
         "model_type": config.model_type,
-        "config_sha256": sha256_json(cfg),
+        "config_sha256": config_sha256(config),
         "weights_sha256": weights_sha256(model, files, memo),
         "weights_scheme": WEIGHTS_SCHEME,
         "tokenizer_sha256": tokenizer_sha256(tokenizer),
-        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if isinstance(template, str) else None,
+        "chat_template_sha256": template_sha256(template),
         "dtype": dtype_name(model.dtype),
         "num_layers": getattr(text, "num_hidden_layers", None),
         "num_kv_heads": kv_heads,
@@ -47,9 +41,7 @@ def fingerprint(model: Any, tokenizer: Any, files: Sequence[Path] = (), memo: Pa
     }
 
 
-WEIGHTS_SCHEME = "every-element-bf16"  # what weights_sha256 covers (0.2 hashed 1,024 samples per tensor: no scheme)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_CHUNK = 1 << 24  # elements hashed at a time (bounded extra memory: 32 MiB as bfloat16)
 
 
 def weights_sha256(model: Any, files: Sequence[Path] = (), memo: Path | None = None) -> str:
@@ -73,17 +65,7 @@ def weights_sha256(model: Any, files: Sequence[Path] = (), memo: Path | None = N
 
 
 def _hash_every_weight(model: Any) -> str:
-    import torch
-
-    h = hashlib.sha256(WEIGHTS_SCHEME.encode())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            flat = param.detach().reshape(-1)
-            h.update(f"{name}:{list(param.shape)}:".encode())
-            for start in range(0, flat.numel(), _CHUNK):
-                part = flat[start : start + _CHUNK].to("cpu", torch.bfloat16).view(torch.int16)
-                h.update(part.numpy().tobytes())
-    return h.hexdigest()
+    return hash_weights(model.named_parameters())
 
 
 def weight_files(folder: str | os.PathLike) -> list[Path]:
@@ -112,18 +94,3 @@ def _remember(memo: Path, value: str) -> None:
         os.replace(tmp, memo)
     except OSError:
         pass
-
-
-def tokenizer_sha256(tokenizer: Any) -> str:
-    """Hash the tokenizer as loaded: class, full backend pipeline, special tokens and BOS/EOS behaviour."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    parts = {
-        "class": type(tokenizer).__name__,
-        "backend": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
-        "special": {k: str(v) for k, v in sorted(getattr(tokenizer, "special_tokens_map", {}).items())},
-        "bos": getattr(tokenizer, "bos_token_id", None),
-        "eos": getattr(tokenizer, "eos_token_id", None),
-        "add_bos": getattr(tokenizer, "add_bos_token", None),
-        "add_eos": getattr(tokenizer, "add_eos_token", None),
-    }
-    return sha256_json(parts)
