@@ -12,3 +12,17 @@ def kvcli_home() -> Path:
         return Path(os.environ["KVCLI_HOME"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "kvcli"
+
+
+def remember(path: Path, text: str) -> None:
+    """Write a small file kvcli keeps to spare work (a hash, a verdict) whole or not at all; a failure to
+    remember is never a reason to fail the command."""
+    import uuid
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass

