@@ -80,6 +80,7 @@ def test_a_question_joins_while_another_decodes(arch):
         steps["n"] += 1
         if steps["n"] == 3:
             assert go.wait(60)
+        steps[steps["n"]] = (decoder.batch is not None, len(decoder.active) + len(decoder.waiting))
         real_step(session, decoder)
 
     engine._step = step
@@ -104,6 +105,8 @@ def test_a_question_joins_while_another_decodes(arch):
     assert results["long"].answer_token_ids == alone_long.answer_token_ids and "".join(texts) == alone_long.answer
     assert results["short"].answer_token_ids == alone_short.answer_token_ids and results["short"].answer == alone_short.answer
     assert engine.peak_rows == 2
+    # alone, the long row ran on the document's own cache (engine/decoding/lone.py); joined, both went on batched
+    assert steps[3] == (False, 1) and steps[4] == (False, 2) and steps[5] == (True, 2), steps
 
 
 def test_one_asker_many_questions_in_order_and_bounded(arch):

@@ -82,13 +82,7 @@ class Decoder:
     def _forward(self, batch: list[Row], ids: torch.Tensor, uniform: int | None, last: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [rows, q, vocab] of ids [rows, q] at each row's slots; [rows, 1, vocab] at positions `last` [rows, 1]."""
         q = ids.shape[1]
-        need = max(r.offset for r in batch) + q
-        longest = max(len(r.appended) + r.max_new for r in self.active + batch)
-        if self.cache is None:
-            self.cache = SharedPrefixCache(self.states, self.width, max(need, min(longest, need + GROW_TOKENS)))
-        elif need > self.cache.capacity:
-            self.cache.grow(max(need, min(longest, need + GROW_TOKENS)))
-        cache = self.cache
+        cache = self._room(max(r.offset for r in batch) + q, batch)
         self.last_rows = len(batch)
         offsets = torch.tensor([r.offset for r in batch], device=self.device)
         cache.begin(Step(torch.tensor([r.slot for r in batch], device=self.device), offsets, uniform, q))
@@ -100,6 +94,29 @@ class Decoder:
         if last is not None and not extra:
             return out.logits.gather(1, last[..., None].expand(-1, -1, out.logits.shape[-1]))
         return out.logits  # [active, q or 1, vocab]
+
+    def _room(self, need: int, rows: list[Row]) -> SharedPrefixCache:
+        """The suffix buffers, with room for `need` tokens per row (grown in steps, never past the longest answer)."""
+        longest = max(len(r.appended) + r.max_new for r in self.active + rows)
+        if self.cache is None:
+            self.cache = SharedPrefixCache(self.states, self.width, max(need, min(longest, need + GROW_TOKENS)))
+        elif need > self.cache.capacity:
+            self.cache.grow(max(need, min(longest, need + GROW_TOKENS)))
+        return self.cache
+
+    def adopt(self, row: Row, own: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Take in a row that has been decoding elsewhere (engine/decoding/lone.py): `own` holds, per layer, the keys
+        and values [1, kv_heads, n, head_dim] of its n own tokens so far (its question and all but its last answer
+        id), copied into a free row; it goes on with the others at the next step."""
+        n = own[0][0].shape[2]
+        if n != len(row.appended) + len(row.answer) - 1 or not self.free:
+            raise RuntimeError(f"cannot take in a row holding {n} tokens ({len(row.appended)} asked, {len(row.answer)} answered)")
+        cache = self._room(n + 1, [row])
+        row.slot, row.offset = self.free.pop(0), n
+        for layer, (k, v) in zip(cache.layers, own):
+            layer.keys[row.slot, :, :n].copy_(k[0])
+            layer.values[row.slot, :, :n].copy_(v[0])
+        self.active.append(row)
 
     def step(self) -> list[Row]:
         """One forward pass; returns the rows it finished (their slots are free again)."""

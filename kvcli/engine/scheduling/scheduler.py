@@ -21,6 +21,7 @@ from typing import Any
 
 from ..decoding import batch, questions as qs
 from ..decoding.request import DEFAULT_BATCH as DEFAULT_WIDTH
+from ..decoding.lone import LoneFirstDecoder
 from ..decoding.solo import SoloDecoder
 POLL_S = 0.05  # how often a waiting asker checks whether it is still wanted
 
@@ -126,12 +127,14 @@ class Engine:
             self._askers[id(session)] = self._askers.get(id(session), 0) + 1
         try:
             while pending or mine:
-                while pending and len(mine) < limit:
+                new = []
+                while pending and len(mine) + len(new) < limit:
                     i, text = pending.pop(0)
-                    q = qs.question(session, i, text, options, history=history, check=check,
-                                    on_text=lambda t, i=i: events.put(("text", i, t)))
-                    mine[i] = q
-                    self._submit(session, q, events, limit)
+                    new.append(qs.question(session, i, text, options, history=history, check=check,
+                                           on_text=lambda t, i=i: events.put(("text", i, t))))
+                if new:  # together: questions asked at once join the batch in one step
+                    self._submit(session, new, events, limit)
+                    mine.update((q.row.index, q) for q in new)
                 if cancelled and time.monotonic() >= next_check:
                     if cancelled():
                         raise Left()
@@ -173,13 +176,13 @@ class Engine:
             thread.join(timeout)
 
     # ---- the engine thread
-    def _submit(self, session: Any, q: qs.Question, events: queue.SimpleQueue, limit: int) -> None:
+    def _submit(self, session: Any, new: list[qs.Question], events: queue.SimpleQueue, limit: int) -> None:
         with self._cv:
             if self._closed:
                 raise Stopped("the engine is stopping")
-            self.asked += 1
-            session.stats["asked"] += 1
-            self._incoming.append((session, q, events, limit))
+            self.asked += len(new)
+            session.stats["asked"] += len(new)
+            self._incoming += [(session, q, events, limit) for q in new]
             self._start()
             self._cv.notify()
 
@@ -198,9 +201,11 @@ class Engine:
 
     def _decoder(self, session: Any, width: int) -> Any:
         length = len(session.token_ids)
-        if self.batched:
-            return batch.Decoder(self.lm.model, session.states, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
-        return SoloDecoder(self.lm.model, session.cache, eos=self.eos, length=length)
+        if width == 1 or not self.batched:  # rows one at a time, on the model's own attention
+            return SoloDecoder(self.lm.model, session.cache, eos=self.eos, length=length)
+        if LoneFirstDecoder.suits(session.cache):  # a lone row on the model's own attention; joined, batched
+            return LoneFirstDecoder(self.lm.model, session.cache, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
+        return batch.Decoder(self.lm.model, session.states, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
 
     def _take_in(self) -> tuple[list[tuple[Any, Any]], _Turn | None]:
         """Under _cv: new rows in, leaving rows out; the documents to step and the turn to grant."""
