@@ -243,6 +243,47 @@ def test_a_prefill_takes_turns_with_a_running_answer(arch, tmp_path):
     assert running and all(b - a > 1 for a, b in zip(running, running[1:])), timeline
 
 
+def test_a_prefill_cuts_its_chunks_while_answers_decode(arch, tmp_path, monkeypatch):
+    """While an answer decodes on the model, a prefill runs SHARED_SLICE tokens per turn, not whole chunks; idle,
+    whole chunks; the cache it writes answers as an idle prefill's does."""
+    from kvcli.documents import decode
+    from kvcli.engine import prefilling
+    from kvcli.engine.cache.kvcache import KVCache
+    from kvcli.engine.scheduling.scheduler import engine_for
+    from tests.conftest import sample_text
+
+    a = arch("llama")
+    session = kvcli.Session(a.lm, a.path)
+    engine = engine_for(a.lm)
+    monkeypatch.setattr(prefilling, "SHARED_SLICE", 8)
+    doc = decode(sample_text()[:800].encode(), "other.txt")
+    sizes: list[tuple[int, bool]] = []
+    real_forward = a.lm.model.forward
+
+    def forward(*args, **kwargs):
+        if isinstance(kwargs.get("cache"), KVCache) and kwargs.get("logits_to_keep") == 1 and "attention_mask" not in kwargs:
+            sizes.append((kwargs["input_ids"].shape[-1], engine.decoding))  # a prefill chunk
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(a.lm.model, "forward", forward)
+    idle = prefilling.prefill(a.lm, doc, tmp_path / "idle.kv", chunk_size=32)
+    assert {n for n, _ in sizes[:-1]} == {32}
+    sizes.clear()
+    opts = kvcli.GenerationOptions(max_new_tokens=200)
+    t = threading.Thread(target=lambda: session.ask(QUESTIONS[0], opts))
+    t.start()
+    _wait(lambda: engine.decoding)
+    busy = prefilling.prefill(a.lm, doc, tmp_path / "busy.kv", chunk_size=32)
+    t.join(timeout=120)
+    assert busy.manifest.num_tokens == idle.manifest.num_tokens
+    cut = [n for n, decoding in sizes if decoding]
+    assert cut and set(cut[:-1]) <= {8}, sizes  # every turn taken while the answer ran was a slice (the last may be shorter)
+    assert all(n == 32 for n, decoding in sizes[:-1] if not decoding)
+    q = kvcli.GenerationOptions(max_new_tokens=12)
+    assert (kvcli.Session(a.lm, tmp_path / "busy.kv").ask("Who?", q).answer_token_ids
+            == kvcli.Session(a.lm, tmp_path / "idle.kv").ask("Who?", q).answer_token_ids)
+
+
 def test_closing_the_engine_ends_every_asker(arch):
     a = arch("llama")
     session = kvcli.Session(a.lm, a.path)

@@ -89,6 +89,12 @@ class Engine:
         with self._cv:
             return bool(self._incoming or self._turns or any(d.busy for _s, d in self._decoders.values()))
 
+    @property
+    def decoding(self) -> bool:
+        """Whether any row is waiting or decoding (a prefill then cuts its chunks: engine/prefilling.py)."""
+        with self._cv:
+            return bool(self._incoming or any(d.busy for _s, d in self._decoders.values()))
+
     @contextmanager
     def turn(self):
         """The model to the calling thread alone, between two steps (FIFO among turns); nests."""
