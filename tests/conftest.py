@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the model hub
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of the README test command's parallel workers (as many as cores):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one torch thread each, so no worker's OpenMP spins against another's
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
