@@ -177,6 +177,9 @@ def render(r: dict) -> str:
         f" llama.cpp restore runs {', '.join(f'{x:.3f}' for x in ll['restore_runs_s'])} s",
         f"load average before {m['load_before']}, after {m['load_after']} (a shared machine makes every time noisy)",
     ]
+    if max(m["load_before"][0], m["load_after"][0]) > m["cpu"]["cores"] and min(k["threads"], ll["threads"]) > 1:
+        lines.append(f"the load was above the {m['cpu']['cores']} cores: threads that wait for each other at every step "
+                     "(llama.cpp's most of all) lose their turn; --threads 1 measures each side more steadily")
     return "\n".join(lines)
 
 
