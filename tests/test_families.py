@@ -242,6 +242,10 @@ def test_broken_batched_path_is_caught_by_the_probe_and_answers_alone(tokenizer,
     many = session.ask_many(QUESTIONS, OPTS, batch_size=3)
     for m in many:
         assert m.answer_token_ids == reference_answer(model, m.prompt_token_ids, MAX_NEW)
+        assert m.decoding == "one at a time"
+    from kvcli.engine.scheduling.scheduler import engine_for
+
+    assert engine_for(lm).why == probe.verdict(lm.model).reason  # what ps --json shows as decoding_why
     # the verdict is measured once per model and attention implementation, then kept
     assert probe.verdict(model) is probe.verdict(lm.model)
 

@@ -204,6 +204,7 @@ class Warm:
             width = 1 if engine is not None and engine.mode == "one at a time" else (engine.width if engine else None) or self.batch_size
             if e.kind == "model":
                 row["decoding"] = engine.mode if engine is not None else "idle"
+                row["decoding_why"] = engine.why if engine is not None else ""  # the batching probe's reason
                 row["engine"] = {"width": width, "asked": engine.asked, "steps": engine.steps,
                                  "peak_rows": engine.peak_rows} if engine is not None else None
             else:

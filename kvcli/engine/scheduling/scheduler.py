@@ -46,6 +46,7 @@ class Engine:
         self.lm = lm
         self.width = width  # rows per document (a server's --batch-size); None: as wide as each asker asks
         self._batched = batched  # None: decided by the model's probe (engine/scheduling/probe.py) when the first row arrives
+        self.why = "" if batched is None else "set by the caller"  # the probe's reason, once it ran
         self.eos = batch.eos_ids(lm.model)
         self.pad_id = batch.padding_id(lm.tokenizer, lm.model)
         self._cv = threading.Condition()
@@ -69,7 +70,9 @@ class Engine:
 
             with self.turn():  # the probe runs the model: between two steps, like any other model work
                 if self._batched is None:
-                    self._batched = remembered(self.lm).ok
+                    found = remembered(self.lm)
+                    self.why = found.reason
+                    self._batched = found.ok
         return self._batched
 
     @batched.setter
