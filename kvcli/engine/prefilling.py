@@ -47,13 +47,19 @@ def document_token_ids(lm: LoadedModel, document: Document, framing: fr.Framing)
 def document_split(lm: LoadedModel, document: Document, framing: fr.Framing) -> tuple[list[int], fr.Framing]:
     """The ids to cache and the framing (with where the cut falls) that questions follow; see framing.py."""
     ids, framing = fr.split_document(lm.tokenizer, framing, document.text)
-    limit = lm.max_positions
-    if limit and len(ids) + ANSWER_ROOM > limit:
-        raise DocumentError(
-            f"{document.name}: {len(ids)} tokens plus {ANSWER_ROOM} for a question and answer exceed "
-            f"the model's limit of {limit} positions"
-        )
+    exc = too_long(document.name, len(ids), lm.max_positions)
+    if exc is not None:
+        raise exc
     return ids, framing
+
+
+def too_long(name: str, tokens: int, limit: int | None) -> DocumentError | None:
+    """The refusal of a document of `tokens` framed ids that leaves no room for a question and answer (counting
+    raises it before any model loads, document_split after)."""
+    if limit and tokens + ANSWER_ROOM > limit:
+        return DocumentError(f"{name}: {tokens} tokens plus {ANSWER_ROOM} for a question and answer exceed "
+                             f"the model's limit of {limit} positions")
+    return None
 
 
 def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: ProgressFn | None = None):
@@ -125,6 +131,7 @@ def prefill(
         t0 = time.perf_counter()
         cache = run_chunks(lm, ids, chunk_size, progress)
         t1 = time.perf_counter()
+        _record_speed(lm, len(ids), t1 - t0)
         states = layers.read(cache)
         del cache
         compression = {"codec": "zstd", "level": level, "transform": transform}
@@ -203,6 +210,16 @@ def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: i
         if entry.seq_length != num_tokens:
             raise RuntimeError(f"layer {entry.index} counted {entry.seq_length} tokens, expected {num_tokens}")
     return entries
+
+
+def _record_speed(lm: LoadedModel, tokens: int, seconds: float) -> None:
+    """Remember this prefill's speed for `kvcli count`'s estimates on this machine (engine/throughput.py)."""
+    import torch
+
+    from . import throughput
+    from ..format.codec import dtype_name
+
+    throughput.record(lm.source, dtype_name(lm.dtype), lm.device.type, tokens, seconds, threads=torch.get_num_threads())
 
 
 def provenance(lm: LoadedModel) -> dict[str, str]:
