@@ -94,6 +94,13 @@ class Counter:
                      prefill_s_basis=est.basis, prefill_s_error=est.error)
 
 
+def fit_check(model: str | None = None, *, revision: str | None = None, framing: str = "auto", system: str | None = None,
+              trust_remote_code: bool = False):
+    """For prefill's front ends: the check that refuses a document too long for the model before its weights
+    load (a Counter: config and tokenizer only)."""
+    return Counter(model, revision=revision, framing=framing, system=system, trust_remote_code=trust_remote_code).refuse_too_long
+
+
 def _light_folder(source: dict) -> Path | None:
     """The local folder holding the model's config.json and tokenizer files, if there is one already."""
     if source["kind"] == "folder":
