@@ -11,6 +11,7 @@ load, in-process and in the server (the weight loader is replaced by one that fa
 from __future__ import annotations
 
 import shutil
+import statistics
 
 import pytest
 
@@ -140,7 +141,8 @@ def test_estimate_scales_the_records_along_the_curve():
 def test_estimate_uses_the_records_nearest_in_length():
     near = [_rec(8000, 2 * throughput.curve(8000))] * throughput.NEAREST
     far = [_rec(300, 9 * throughput.curve(300))] * (throughput.NEAREST + 1)
-    assert throughput.estimate(8192, far + near).seconds == pytest.approx(2 * throughput.curve(8192))
+    # 20,000 tokens lie outside the lengths measured (300 to 8,000): no fit, the nearest records set the scale
+    assert throughput.estimate(20_000, far + near).seconds == pytest.approx(2 * throughput.curve(20_000))
 
 
 def test_records_are_kept_per_model_dtype_and_device(tmp_path, monkeypatch):
@@ -258,3 +260,13 @@ def test_a_dtype_mismatch_is_refused_before_loading(cache, no_weights, command):
     args = ["Q?"] if command == "ask" else []
     result = run(command, "-c", cache, "--dtype", "bfloat16", "--no-server", *args, input="Q?\n")
     assert_clean_error(result, 3, "dtype", "--convert-dtype")
+
+
+def test_records_of_several_lengths_fit_this_machines_curve():
+    a, b = 4e-3, 6e-8  # a machine whose attention weighs less than the reference curve's
+    recs = [_rec(n, a * n + b * n * n) for n in (1000, 2500, 6000)]
+    e = throughput.estimate(4000, recs)
+    assert e.seconds == pytest.approx(a * 4000 + b * 4000 ** 2) and e.error == pytest.approx(0, abs=1e-9)
+    far = throughput.estimate(40_000, recs)  # far outside the lengths measured: the nearest records scale the curve
+    assert far.seconds == pytest.approx(throughput.curve(40_000) * statistics.median(
+        r["seconds"] / throughput.curve(r["tokens"]) for r in recs))

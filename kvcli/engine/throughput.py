@@ -1,9 +1,10 @@
 """Prefill speed as measured on this machine: every prefill records its tokens and seconds under KVCLI_HOME,
 and `kvcli count` estimates a document's prefill from the records of the same model, dtype, device and CPU.
 
-A time grows as n * (A + B * n) (per-token work, plus attention over every earlier position); the records set
-the scale of that curve for this machine (the median of measured / curve over the records nearest in length),
-and their spread around it is the error stated. Without records the curve alone is used, scaled by parameter
+A time grows as n * (a + b * n) (per-token work, plus attention over every earlier position). Records of
+lengths that differ enough fit a and b for this machine, used for lengths around them; otherwise the records
+nearest in length set the scale of the reference curve (the median of measured / curve). The records' largest
+miss of the estimator is the error stated (from 3 records on). Without records the curve alone is used, scaled by parameter
 count from the 135M default model on this project's 2-core CPU: a rough figure, said to be one.
 """
 
@@ -26,6 +27,7 @@ A, B, REF_PARAMS = 1.44e-3, 2.4e-7, 134.5e6
 MIN_TOKENS = 256  # shorter prefills are mostly fixed costs: not recorded
 KEEP = 32  # records kept per model, dtype, device and machine
 NEAREST = 5  # records (nearest in length) that set the scale
+SPAN = 1.5  # records whose lengths differ this much fit this machine's own a + b * n, for lengths around them
 ROUGH_BASIS = "a rough curve (the 135M default model on a 2-core CPU, scaled by parameter count)"
 
 
@@ -104,9 +106,28 @@ def estimate(tokens: int, recs: list[dict[str, Any]], params: int | None = None)
         return Estimate(curve(tokens) * params / REF_PARAMS, ROUGH_BASIS, None, 0)
     import math
 
+    basis = f"{len(recs)} prefill{'s' if len(recs) != 1 else ''} on this machine"
+    lengths = [r["tokens"] for r in recs]
+    fitted = _fit(recs) if max(lengths) >= SPAN * min(lengths) and min(lengths) / SPAN <= tokens <= max(lengths) * SPAN else None
+    if fitted is not None:  # lengths measured around this one: this machine's own curve
+        a, b = fitted
+        misses = [abs((a * r["tokens"] + b * r["tokens"] ** 2) / r["seconds"] - 1) for r in recs]
+        return Estimate(a * tokens + b * tokens ** 2, basis, max(misses) if len(recs) >= 3 else None, len(recs))
     near = sorted(recs, key=lambda r: abs(math.log(r["tokens"] / max(tokens, 1))))[:NEAREST]
     ratios = [r["seconds"] / curve(r["tokens"]) for r in near]
     scale = statistics.median(ratios)
     error = max(abs(r / scale - 1) for r in ratios) if len(ratios) >= 3 else None
-    basis = f"{len(recs)} prefill{'s' if len(recs) != 1 else ''} on this machine"
     return Estimate(scale * curve(tokens), basis, error, len(recs))
+
+
+def _fit(recs: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """a, b of t = a * n + b * n^2 by least squares on relative error (both at least 0), or None."""
+    sxx = sxy = syy = sx = sy = 0.0
+    for r in recs:
+        x, y = r["tokens"] / r["seconds"], r["tokens"] ** 2 / r["seconds"]  # a * x + b * y should be 1
+        sxx, sxy, syy, sx, sy = sxx + x * x, sxy + x * y, syy + y * y, sx + x, sy + y
+    det = sxx * syy - sxy * sxy
+    if det <= 0:
+        return None
+    a, b = (sx * syy - sy * sxy) / det, (sy * sxx - sx * sxy) / det
+    return (a, b) if a >= 0 and b >= 0 else None
