@@ -83,12 +83,13 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
 
 def prefill_events(targets: Sequence[tuple[str, str]], *, open_model: Callable[[], AbstractContextManager], emit: Emit,
                    read: Callable[[str], Any], check: Callable[[str], None], cancelled: Callable[[], bool] | None = None,
-                   **prefill_options: Any) -> int:
+                   fits: Callable[[], Callable[[Any], None]] | None = None, **prefill_options: Any) -> int:
     """Prefill every (document, cache) pair with the model `open_model()` lends (something with `.lm` and
     `.served()`), emitting events; returns the exit code. Every target is checked and every document read
-    before the model loads, so a refusal costs no load; the only pair failing raises. Raises engine's Left
-    once cancelled() says the asker is gone. prefill_options: engine.prefilling.prefill's (system, framing,
-    chunk_size, force, kv_bits)."""
+    (and, with `fits`, measured against the model's positions: fits() returns the check, from the tokenizer
+    and config alone) before the model loads, so a refusal costs no load; the only pair failing raises. Raises
+    engine's Left once cancelled() says the asker is gone. prefill_options: engine.prefilling.prefill's
+    (system, framing, chunk_size, force, kv_bits)."""
     failed: list[KvcliError] = []
 
     def report(exc: KvcliError) -> None:
@@ -104,6 +105,16 @@ def prefill_events(targets: Sequence[tuple[str, str]], *, open_model: Callable[[
             ready.append((index, read(doc), target))
         except KvcliError as exc:
             report(exc)
+    if ready and fits is not None:
+        fit = fits()  # a model that cannot be found or cached fails here, before any weights load
+        kept = []
+        for index, document, target in ready:
+            try:
+                fit(document)
+                kept.append((index, document, target))
+            except KvcliError as exc:
+                report(exc)
+        ready = kept
     if ready:
         from .engine import prefilling as pf
 

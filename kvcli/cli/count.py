@@ -49,12 +49,23 @@ def count(
         for c in counts:
             room = "-" if c.room is None else (f"{c.room:,}" if c.fits else Text(f"{c.room:,} (too long)", style="red"))
             table.add_row(Text(c.document), f"{c.tokens:,}", human_bytes(c.bytes_raw), human_bytes(c.bytes_on_disk_estimate),
-                          room, "-" if c.prefill_s_estimate is None else f"~{c.prefill_s_estimate:,.0f} s")
+                          room, _seconds(c.prefill_s_estimate, c.prefill_s_error))
         out.table(table)
     limit = f"{counter.max_positions:,} positions" if counter.max_positions else "no position limit"
-    out.note(f"{counter.dtype}, {limit}; on-disk size from measured ratios and prefill time for a 2-core CPU: estimates")
+    basis = counts[0].prefill_s_basis if counts else ""
+    if counts and counts[0].prefill_s_error is None and counter.records:
+        basis += ", error not known below 3"
+    out.note(f"{counter.dtype}, {limit}; read {counter.loaded}; on-disk size from measured ratios and prefill time "
+             f"from {basis}: estimates")
     too_long = [c.document for c in counts if not c.fits]
     if too_long:
         out.error(f"{', '.join(too_long)}: too long for the model (prefill would refuse it)")
         return 1
     return 0
+
+
+def _seconds(seconds, error) -> str:
+    if seconds is None:
+        return "-"
+    shown = f"~{seconds:,.1f} s" if seconds < 10 else f"~{seconds:,.0f} s"
+    return shown + (f" ±{error:.0%}" if error is not None else "")

@@ -90,9 +90,17 @@ def prefill(
         return prefill_events([(str(d), str(t)) for d, t in targets], open_model=open_model, emit=render,
                               read=lambda doc: documents.read(doc, encoding),
                               check=lambda t: writing.check_target(t, force=force, folder_made=folder is not None),
+                              fits=lambda: _fit_check(out, model, revision, framing, system, trust_remote_code),
                               system=system, framing=framing, chunk_size=chunk_size, force=force, kv_bits=kv_bits)
     finally:
         render.close()
+
+
+def _fit_check(out: Output, model, revision, framing, system, trust_remote_code):
+    from ..engine import counting
+
+    with out.status("reading tokenizer"):
+        return counting.fit_check(model, revision=revision, framing=framing, system=system, trust_remote_code=trust_remote_code)
 
 
 class _Held:

@@ -1,27 +1,28 @@
-"""Know before you pay: a document's tokens, its cache's size and the room left, from config and tokenizer only.
+"""Know before you pay: a document's tokens, its cache's size, the room left and the prefill's time, from the
+config and tokenizer only.
 
-No weights are loaded and nothing runs through the model. Sizes on disk and times are estimates from
-ratios measured in this repository (README, "Performance"), not promises.
+No weights are loaded and nothing runs through the model. Where the model folder allows it (engine/model/light.py)
+torch is not imported either. Sizes on disk are estimates from ratios measured in this repository (README,
+"Performance"); times come from this machine's recorded prefills (engine/throughput.py), else a rough curve.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from .prompt import framing as fr
-from .cache import layers
-from .model import models
-from .prefilling import ANSWER_ROOM
+from .model import light, models
+from . import throughput
+from .prefilling import ANSWER_ROOM, too_long
 from ..documents import Document
 
 # stored / raw for byte planes + zstd level 1, measured on the default model's caches (README, "Performance")
 DISK_RATIO = {"float32": 0.83, "bfloat16": 0.67, "float16": 0.84}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Prefill seconds on this project's 2-core CPU for the 135M default model, fitted to the README's
-# recompute times (1,024 tokens: 1.73 s; 4,096: 9.94 s): t = n * (A + B * n), scaled by parameter count.
-_A, _B, _REF_PARAMS = 1.44e-3, 2.4e-7, 134.5e6
+LIGHT = "config.json and tokenizer only (no torch)"
 
 
 @dataclass
@@ -34,7 +35,9 @@ class Count:
     max_positions: int | None
     room: int | None  # positions left for a question and its answer
     fits: bool  # room for kvcli's minimum question-and-answer reserve
-    prefill_s_estimate: float | None  # on a 2-core CPU; an accelerator is far faster
+    prefill_s_estimate: float | None
+    prefill_s_basis: str  # "N prefills on this machine", or the rough curve (engine/throughput.py)
+    prefill_s_error: float | None  # relative spread of those records around the estimate (3 or more records)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,8 +49,18 @@ class Counter:
     def __init__(self, model: str | None = None, *, revision: str | None = None, dtype: str = "auto",
                  framing: str = "auto", system: str | None = None, trust_remote_code: bool = False):
         source = models.resolve(model, revision=revision)
-        self.config, self.tokenizer = models.config_and_tokenizer(source, trust_remote_code=trust_remote_code)
-        self.plan = layers.plan(self.config)  # refuses models kvcli cannot cache, as prefill would
+        folder = _light_folder(source)
+        got = light.load(folder) if folder is not None else "no local model folder yet"
+        if isinstance(got, tuple):
+            self.config, self.tokenizer, self.plan = got
+            self.loaded = LIGHT
+        else:
+            from .cache import layers
+
+            self.config, self.tokenizer = models.config_and_tokenizer(source, trust_remote_code=trust_remote_code)
+            self.plan = layers.plan(self.config)  # refuses models kvcli cannot cache, as prefill would
+            self.loaded = f"config and tokenizer through transformers, torch imported ({got})"
+        self.source = source
         self.framing = fr.choose(self.tokenizer, framing, system)
         self.dtype = _dtype_name(dtype, self.config)
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
@@ -56,16 +69,48 @@ class Counter:
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         self.max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
         self.params = _parameter_count(self.config, source)
+        devices = ["cuda", "mps", "cpu"] if _maybe_accelerator() else ["cpu"]
+        self.records = next((r for d in devices if (r := throughput.records(source, self.dtype, d))), [])
+
+    def tokens(self, document: Document) -> int:
+        """The framed document's ids, as prefill would cache them."""
+        return len(fr.document_ids(self.tokenizer, self.framing, document.text))
+
+    def refuse_too_long(self, document: Document) -> None:
+        """The DocumentError prefill would raise for this document after loading the model, raised now."""
+        exc = too_long(document.name, self.tokens(document), self.max_positions)
+        if exc is not None:
+            raise exc
 
     def count(self, document: Document) -> Count:
-        n = len(fr.document_ids(self.tokenizer, self.framing, document.text))
+        n = self.tokens(document)
         per_token = 2 * self.kv_heads * self.head_dim * ITEMSIZE[self.dtype]  # keys + values
         raw = sum(per_token * (n if kind == "full" else min(n, window - 1)) for kind, window in self.plan)
         room = self.max_positions - n if self.max_positions else None
-        est = n * (_A + _B * n) * self.params / _REF_PARAMS if self.params else None
+        est = throughput.estimate(n, self.records, self.params)
         return Count(document=document.name, tokens=n, dtype=self.dtype, bytes_raw=raw,
                      bytes_on_disk_estimate=round(raw * DISK_RATIO[self.dtype]), max_positions=self.max_positions,
-                     room=room, fits=room is None or room >= ANSWER_ROOM, prefill_s_estimate=est)
+                     room=room, fits=room is None or room >= ANSWER_ROOM, prefill_s_estimate=est.seconds,
+                     prefill_s_basis=est.basis, prefill_s_error=est.error)
+
+
+def fit_check(model: str | None = None, *, revision: str | None = None, framing: str = "auto", system: str | None = None,
+              trust_remote_code: bool = False):
+    """For prefill's front ends: the check that refuses a document too long for the model before its weights
+    load (a Counter: config and tokenizer only)."""
+    return Counter(model, revision=revision, framing=framing, system=system, trust_remote_code=trust_remote_code).refuse_too_long
+
+
+def _light_folder(source: dict) -> Path | None:
+    """The local folder holding the model's config.json and tokenizer files, if there is one already."""
+    if source["kind"] == "folder":
+        return Path(source["path"])
+    if source["kind"] in ("default", "gguf"):
+        folder = models.kvcli_home() / "models" / f"gguf-{source['sha256'][:16]}"
+        for f in (folder, folder.with_name(folder.name + "-config")):
+            if (f / "config.json").is_file():
+                return f
+    return None
 
 
 def _dtype_name(dtype: str, config: Any) -> str:

@@ -48,16 +48,23 @@ def document_token_ids(lm: LoadedModel, document: Document, framing: fr.Framing)
 def document_split(lm: LoadedModel, document: Document, framing: fr.Framing) -> tuple[list[int], fr.Framing]:
     """The ids to cache and the framing (with where the cut falls) that questions follow; see framing.py."""
     ids, framing = fr.split_document(lm.tokenizer, framing, document.text)
-    limit = lm.max_positions
-    if limit and len(ids) + ANSWER_ROOM > limit:
-        raise DocumentError(
-            f"{document.name}: {len(ids)} tokens plus {ANSWER_ROOM} for a question and answer exceed "
-            f"the model's limit of {limit} positions"
-        )
+    exc = too_long(document.name, len(ids), lm.max_positions)
+    if exc is not None:
+        raise exc
     return ids, framing
 
 
-def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: ProgressFn | None = None):
+def too_long(name: str, tokens: int, limit: int | None) -> DocumentError | None:
+    """The refusal of a document of `tokens` framed ids that leaves no room for a question and answer (counting
+    raises it before any model loads, document_split after)."""
+    if limit and tokens + ANSWER_ROOM > limit:
+        return DocumentError(f"{name}: {tokens} tokens plus {ANSWER_ROOM} for a question and answer exceed "
+                             f"the model's limit of {limit} positions")
+    return None
+
+
+def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: ProgressFn | None = None,
+               timing: dict | None = None):
     """Forward the ids through the model chunk by chunk into a KVCache with room for the whole document.
 
     Full-attention layers get buffers for the whole document up front and each chunk's keys/values are
@@ -68,7 +75,8 @@ def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: Progr
     step between two chunks, never wait for the whole document; while any are decoding, a chunk is cut to
     SHARED_SLICE tokens, so each pause is a fraction of a chunk (as vLLM's and llama.cpp's token budgets do, the
     cut depends on the load: the cache may then differ from an idle prefill's in the last bits, as it does
-    between two chunk sizes; answers stay equal to a recompute).
+    between two chunk sizes; answers stay equal to a recompute). `timing`, if given, gets `forward_s` (the
+    seconds inside the model's turns, waits excluded) and `sliced` (whether any chunk was cut).
     """
     import torch
 
@@ -80,16 +88,21 @@ def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: Progr
     cache = KVCache.for_model(lm.model.config, reserve=total)
     if progress:
         progress(0, total)  # the total is known before the first chunk: a bar shows 0/N, never 0/?
-    start = 0
+    start, forward_s, sliced = 0, 0.0, False
     with torch.inference_mode():
         while start < total:
             with engine.turn():
+                t0 = time.perf_counter()
                 size = min(chunk_size, SHARED_SLICE) if engine.decoding else chunk_size
+                sliced |= size < chunk_size and start + size < total
                 chunk = torch.tensor([ids[start : start + size]], device=lm.device)  # [1, size]
                 lm.model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
+                forward_s += time.perf_counter() - t0
             start += size
             if progress:
                 progress(min(start, total), total)
+    if timing is not None:
+        timing.update(forward_s=forward_s, sliced=sliced)
     return cache
 
 
@@ -130,8 +143,11 @@ def prefill(
     out = Path(out)
     with writing.atomic_cache_dir(out, force=force) as tmp:
         t0 = time.perf_counter()
-        cache = run_chunks(lm, ids, chunk_size, progress)
+        timing: dict = {}
+        cache = run_chunks(lm, ids, chunk_size, progress, timing)
         t1 = time.perf_counter()
+        if not timing["sliced"]:  # the model to itself: a speed count can go by (its waits for turns left out)
+            _record_speed(lm, len(ids), timing["forward_s"])
         states = layers.read(cache)
         del cache
         compression = {"codec": "zstd", "level": level, "transform": transform}
@@ -210,6 +226,16 @@ def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: i
         if entry.seq_length != num_tokens:
             raise RuntimeError(f"layer {entry.index} counted {entry.seq_length} tokens, expected {num_tokens}")
     return entries
+
+
+def _record_speed(lm: LoadedModel, tokens: int, seconds: float) -> None:
+    """Remember this prefill's speed for `kvcli count`'s estimates on this machine (engine/throughput.py)."""
+    import torch
+
+    from . import throughput
+    from ..format.codec import dtype_name
+
+    throughput.record(lm.source, dtype_name(lm.dtype), lm.device.type, tokens, seconds, threads=torch.get_num_threads())
 
 
 def provenance(lm: LoadedModel) -> dict[str, str]:

@@ -173,10 +173,19 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
         return prefill_events([(d, t) for d, t in pairs], open_model=open_model, emit=emit,
                               read=lambda doc: documents.read(doc, req.get("encoding") or "utf-8"),
                               check=lambda t: writing.check_target(t, force=bool(req.get("force"))), cancelled=conn.cancelled,
+                              fits=lambda: _fit_check(req),
                               system=req.get("system"), framing=req.get("framing") or "auto", chunk_size=req.get("chunk_size"),
                               force=bool(req.get("force")), kv_bits=kv_bits)
     except Left:
         raise Gone() from None
+
+
+def _fit_check(req: dict[str, Any]):
+    """A document too long for the requested model is refused from its tokenizer and config, before any load."""
+    from ..engine import counting
+
+    return counting.fit_check(req.get("model"), revision=req.get("revision"), framing=req.get("framing") or "auto",
+                              system=req.get("system"), trust_remote_code=bool(req.get("trust_remote_code")))
 
 
 def _control(conn: Connection, op: str, status: Callable[[], dict[str, Any]], stop: Callable[[], None]) -> None:

@@ -1,0 +1,133 @@
+"""Prefill speed as measured on this machine: every prefill records its tokens and seconds under KVCLI_HOME,
+and `kvcli count` estimates a document's prefill from the records of the same model, dtype, device and CPU.
+
+A time grows as n * (a + b * n) (per-token work, plus attention over every earlier position). Records of
+lengths that differ enough fit a and b for this machine, used for lengths around them; otherwise the records
+nearest in length set the scale of the reference curve (the median of measured / curve). The records' largest
+miss of the estimator is the error stated (from 3 records on). Without records the curve alone is used, scaled by parameter
+count from the 135M default model on this project's 2-core CPU: a rough figure, said to be one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..format.identity import sha256_json
+from ..home import kvcli_home, remember
+
+# The curve's shape, fitted to the README's recompute times of the 135M default model on this project's 2-core
+# CPU (1,024 tokens: 1.73 s; 4,096: 9.94 s), and that model's parameters (the scale for other models).
+A, B, REF_PARAMS = 1.44e-3, 2.4e-7, 134.5e6
+MIN_TOKENS = 256  # shorter prefills are mostly fixed costs: not recorded
+KEEP = 32  # records kept per model, dtype, device and machine
+NEAREST = 5  # records (nearest in length) that set the scale
+SPAN = 1.5  # records whose lengths differ this much fit this machine's own a + b * n, for lengths around them
+ROUGH_BASIS = "a rough curve (the 135M default model on a 2-core CPU, scaled by parameter count)"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    seconds: float | None
+    basis: str  # "N prefills on this machine" or ROUGH_BASIS
+    error: float | None  # the largest relative miss of this estimator on the records used (3 or more), else None
+    records: int
+
+
+def curve(n: int) -> float:
+    return n * (A + B * n)
+
+
+def machine() -> dict[str, Any]:
+    """What makes prefill speed differ between machines, as far as it is known without torch."""
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if not cpu:
+        import platform
+
+        cpu = platform.processor() or platform.machine()
+    return {"cpu": cpu, "cpus": os.cpu_count(), "omp_threads": os.environ.get("OMP_NUM_THREADS")}
+
+
+def model_key(source: dict[str, Any]) -> str | None:
+    """The model, as both prefill (after loading) and count (before) name it; None for an in-memory model."""
+    if source.get("sha256"):
+        return f"sha256:{source['sha256']}"
+    if source.get("kind") == "folder":
+        return f"folder:{source.get('path')}"
+    if source.get("kind") == "hub":
+        return f"hub:{source.get('id')}"
+    return None
+
+
+def _path(key: str, dtype: str, device: str) -> Path:
+    return kvcli_home() / "throughput" / f"{sha256_json([key, dtype, device, machine()])[:32]}.json"
+
+
+def records(source: dict[str, Any], dtype: str, device: str) -> list[dict[str, Any]]:
+    """This machine's recorded prefills of this model in this dtype on this device type."""
+    key = model_key(source)
+    if key is None:
+        return []
+    try:
+        data = json.loads(_path(key, dtype, device).read_text())
+        return [r for r in data["records"] if r["tokens"] > 0 and r["seconds"] > 0]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def record(source: dict[str, Any], dtype: str, device: str, tokens: int, seconds: float, threads: int | None = None) -> None:
+    """Add one measured prefill (compute only: forward passes, not writing); never fails the prefill."""
+    key = model_key(source)
+    if key is None or tokens < MIN_TOKENS or seconds <= 0:
+        return
+    kept = records(source, dtype, device)[-(KEEP - 1):]
+    kept.append({"tokens": tokens, "seconds": round(seconds, 4), "threads": threads, "at": round(time.time())})
+    body = {"model": key, "dtype": dtype, "device": device, "machine": machine(), "records": kept}
+    remember(_path(key, dtype, device), json.dumps(body, indent=1) + "\n")
+
+
+def estimate(tokens: int, recs: list[dict[str, Any]], params: int | None = None) -> Estimate:
+    """Seconds to prefill `tokens` from these records (see the module's docstring), else the rough curve."""
+    if not recs:
+        if not params:
+            return Estimate(None, ROUGH_BASIS, None, 0)
+        return Estimate(curve(tokens) * params / REF_PARAMS, ROUGH_BASIS, None, 0)
+    import math
+
+    basis = f"{len(recs)} prefill{'s' if len(recs) != 1 else ''} on this machine"
+    lengths = [r["tokens"] for r in recs]
+    fitted = _fit(recs) if max(lengths) >= SPAN * min(lengths) and min(lengths) / SPAN <= tokens <= max(lengths) * SPAN else None
+    if fitted is not None:  # lengths measured around this one: this machine's own curve
+        a, b = fitted
+        misses = [abs((a * r["tokens"] + b * r["tokens"] ** 2) / r["seconds"] - 1) for r in recs]
+        return Estimate(a * tokens + b * tokens ** 2, basis, max(misses) if len(recs) >= 3 else None, len(recs))
+    near = sorted(recs, key=lambda r: abs(math.log(r["tokens"] / max(tokens, 1))))[:NEAREST]
+    ratios = [r["seconds"] / curve(r["tokens"]) for r in near]
+    scale = statistics.median(ratios)
+    error = max(abs(r / scale - 1) for r in ratios) if len(ratios) >= 3 else None
+    return Estimate(scale * curve(tokens), basis, error, len(recs))
+
+
+def _fit(recs: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """a, b of t = a * n + b * n^2 by least squares on relative error (both at least 0), or None."""
+    sxx = sxy = syy = sx = sy = 0.0
+    for r in recs:
+        x, y = r["tokens"] / r["seconds"], r["tokens"] ** 2 / r["seconds"]  # a * x + b * y should be 1
+        sxx, sxy, syy, sx, sy = sxx + x * x, sxy + x * y, syy + y * y, sx + x, sy + y
+    det = sxx * syy - sxy * sxy
+    if det <= 0:
+        return None
+    a, b = (sx * syy - sy * sxy) / det, (sy * sxx - sx * sxy) / det
+    return (a, b) if a >= 0 and b >= 0 else None

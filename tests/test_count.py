@@ -1,0 +1,272 @@
+"""kvcli count (issue 24, item 9) and "a refused request loads nothing".
+
+count reads config.json and the tokenizer without torch where transformers' Auto classes would give the same
+(engine/model/light.py): here that is compared with the Auto classes on tiny models of every light type and on
+the real default model, and with what prefill caches. Its time estimate comes from the prefills recorded on this
+machine (engine/throughput.py): tested as a unit (records in, estimate out) and end to end (a prefill records,
+count uses it). A document too long for the model, or a model that does not exist, is refused before any weights
+load, in-process and in the server (the weight loader is replaced by one that fails the test).
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+
+import pytest
+
+from kvcli.documents import decode
+from kvcli.engine import counting, throughput
+from kvcli.engine.model import light
+from tests.conftest import sample_text, tiny_llama
+from tests.helpers import assert_clean_error, json_lines, run
+
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048)
+DOC = decode(sample_text()[:3000].encode(), "d.txt")
+
+
+def _folder(tmp_path, tokenizer_dir, model_type: str, **overrides):
+    """A model folder without weights: a tiny config of this type and the real SmolLM2 tokenizer."""
+    from transformers import AutoConfig
+
+    folder = tmp_path / f"{model_type}-{len(overrides)}"
+    AutoConfig.for_model(model_type, **{**TINY, **overrides}).save_pretrained(folder)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
+def _through_transformers(monkeypatch, *args, **kwargs) -> counting.Counter:
+    """A Counter that reads config and tokenizer with transformers' Auto classes (what count did before)."""
+    with monkeypatch.context() as m:
+        m.setattr(light, "load", lambda folder: "forced for the test")
+        counter = counting.Counter(*args, **kwargs)
+    assert counter.loaded.startswith("config and tokenizer through transformers")
+    return counter
+
+
+def _same(a: counting.Counter, b: counting.Counter, doc=DOC) -> None:
+    assert a.plan == b.plan and a.max_positions == b.max_positions and a.params == b.params and a.dtype == b.dtype
+    assert (a.kv_heads, a.head_dim, a.framing) == (b.kv_heads, b.head_dim, b.framing)
+    assert a.count(doc) == b.count(doc)
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("llama", {}),
+    ("mistral", {"sliding_window": 32}),
+    ("mistral", {"sliding_window": None}),
+    ("qwen3", {}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2}),
+    ("granite", {}),
+])
+@pytest.mark.parametrize("framing, system", [("auto", None), ("plain", None), ("chat", "Answer briefly.")])
+def test_light_equals_the_auto_classes(tmp_path, tokenizer_dir, monkeypatch, model_type, overrides, framing, system):
+    from transformers import AutoTokenizer
+
+    from kvcli.engine.prompt import framing as fr
+
+    folder = _folder(tmp_path, tokenizer_dir, model_type, **overrides)
+    got = counting.Counter(str(folder), framing=framing, system=system)
+    assert got.loaded == counting.LIGHT
+    _same(got, _through_transformers(monkeypatch, str(folder), framing=framing, system=system))
+    auto = AutoTokenizer.from_pretrained(folder)
+    assert type(auto) is type(got.tokenizer)
+    assert fr.document_ids(auto, got.framing, DOC.text) == fr.document_ids(got.tokenizer, got.framing, DOC.text)
+    if overrides.get("sliding_window"):
+        assert any(kind == "sliding" for kind, _ in got.plan)  # the case is the one it claims to be
+
+
+@pytest.mark.parametrize("model_type, overrides, why", [
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2, "layer_types": None}, "sliding"),
+    ("olmo2", {}, "model type"),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rotary"),
+])
+def test_other_models_are_read_through_transformers_and_say_so(tmp_path, tokenizer_dir, monkeypatch, model_type, overrides, why):
+    folder = _folder(tmp_path, tokenizer_dir, model_type, **overrides)
+    if "layer_types" in overrides:  # a config.json written without layer_types (older transformers, hand-written)
+        import json
+
+        data = json.loads((folder / "config.json").read_text())
+        data.pop("layer_types", None)
+        (folder / "config.json").write_text(json.dumps(data))
+    got = counting.Counter(str(folder))
+    assert got.loaded.startswith("config and tokenizer through transformers") and why in got.loaded, got.loaded
+    assert got.count(DOC).tokens > 0
+
+
+def test_default_model_light_equals_what_prefill_caches(default_lm, monkeypatch):
+    """The real default model: count's ids are the ids prefill caches, for each framing."""
+    from kvcli.engine import prefilling as pf
+    from kvcli.engine.cache import layers
+    from kvcli.engine.prompt import framing as fr
+
+    doc = decode(sample_text().encode(), "document.txt")
+    for framing, system in (("auto", None), ("plain", None), ("chat", "You answer from the document.")):
+        got = counting.Counter(None, framing=framing, system=system)
+        assert got.loaded == counting.LIGHT
+        frame = fr.choose(default_lm.tokenizer, framing, system)
+        assert got.tokens(doc) == len(pf.document_token_ids(default_lm, doc, frame))
+    assert got.plan == layers.plan(default_lm.model.config)
+    assert got.max_positions == default_lm.max_positions
+    assert got.params == sum(p.numel() for p in default_lm.model.parameters())
+    _same(got, _through_transformers(monkeypatch, None, framing="chat", system="You answer from the document."), doc)
+
+
+# ---- the estimate: records in, estimate out
+
+
+def _rec(tokens: int, seconds: float) -> dict:
+    return {"tokens": tokens, "seconds": seconds}
+
+
+def test_estimate_without_records_is_the_rough_curve_and_says_so():
+    e = throughput.estimate(2000, [], params=int(throughput.REF_PARAMS * 2))
+    assert e.seconds == pytest.approx(2 * throughput.curve(2000)) and e.basis == throughput.ROUGH_BASIS
+    assert e.error is None and e.records == 0
+    assert throughput.estimate(2000, [], params=None).seconds is None
+
+
+def test_estimate_scales_the_records_along_the_curve():
+    k = 5.5  # this machine: 5.5 times the reference curve
+    one = throughput.estimate(4000, [_rec(1000, k * throughput.curve(1000))])
+    assert one.seconds == pytest.approx(k * throughput.curve(4000)) and one.basis == "1 prefill on this machine"
+    assert one.error is None  # one record cannot say how far off it is
+    spread = [_rec(2000, f * k * throughput.curve(2000)) for f in (0.9, 1.0, 1.2)]
+    e = throughput.estimate(2000, spread)
+    assert e.seconds == pytest.approx(k * throughput.curve(2000)) and e.records == 3
+    assert e.error == pytest.approx(0.2) and e.basis == "3 prefills on this machine"
+
+
+def test_estimate_uses_the_records_nearest_in_length():
+    near = [_rec(8000, 2 * throughput.curve(8000))] * throughput.NEAREST
+    far = [_rec(300, 9 * throughput.curve(300))] * (throughput.NEAREST + 1)
+    # 20,000 tokens lie outside the lengths measured (300 to 8,000): no fit, the nearest records set the scale
+    assert throughput.estimate(20_000, far + near).seconds == pytest.approx(2 * throughput.curve(20_000))
+
+
+def test_records_are_kept_per_model_dtype_and_device(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCLI_HOME", str(tmp_path))
+    src = {"kind": "folder", "path": "/models/a"}
+    throughput.record(src, "float32", "cpu", 10, 1.0)  # too short to say anything about speed: not kept
+    assert throughput.records(src, "float32", "cpu") == []
+    for i in range(throughput.KEEP + 3):
+        throughput.record(src, "float32", "cpu", 1000 + i, 2.0, threads=2)
+    kept = throughput.records(src, "float32", "cpu")
+    assert len(kept) == throughput.KEEP and kept[-1]["tokens"] == 1000 + throughput.KEEP + 2 and kept[-1]["threads"] == 2
+    assert throughput.records(src, "bfloat16", "cpu") == [] and throughput.records(src, "float32", "cuda") == []
+    assert throughput.records({"kind": "folder", "path": "/models/b"}, "float32", "cpu") == []
+    assert throughput.records({"kind": "object", "name": "in-memory"}, "float32", "cpu") == []
+
+
+def test_a_prefill_records_its_speed_and_count_uses_it(tmp_path, tiny_model_dir, monkeypatch):
+    import kvcli
+
+    monkeypatch.setenv("KVCLI_HOME", str(tmp_path / "home"))
+    doc = tmp_path / "d.txt"
+    doc.write_text(sample_text()[:2500], encoding="utf-8")
+    before = json_lines(run("count", doc, "--model", tiny_model_dir, "--json").stdout)[0]
+    assert before["prefill_s_basis"] == throughput.ROUGH_BASIS
+    built = run("prefill", doc, "--model", tiny_model_dir, "-o", tmp_path / "d.kv", "--no-server")
+    assert built.exit_code == 0, built.stderr
+    (rec,) = throughput.records({"kind": "folder", "path": str(tiny_model_dir.resolve())}, "float32", "cpu")
+    assert rec["tokens"] == kvcli.read_manifest(tmp_path / "d.kv").num_tokens == before["tokens"]
+    after = run("count", doc, "--model", tiny_model_dir, "--json")
+    (c,) = json_lines(after.stdout)
+    assert c["prefill_s_basis"] == "1 prefill on this machine" and c["prefill_s_error"] is None
+    assert c["prefill_s_estimate"] == pytest.approx(rec["seconds"])  # same length: the measured time itself
+    human = run("count", doc, "--model", tiny_model_dir)
+    assert "1 prefill on this machine" in human.stderr and counting.LIGHT in human.stderr
+
+
+# ---- a refused request loads nothing
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading any model's weights fails the test."""
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*a, **k):
+        raise AssertionError("model weights were loaded for a request that is refused")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+@pytest.fixture(scope="module")
+def short_model_dir(tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("short-llama")
+    tiny_llama(len(tokenizer), max_position_embeddings=1024).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def server(monkeypatch):
+    from tests.serve_helpers import ThreadServer, short_dir
+
+    s = ThreadServer(short_dir() / "s.sock")
+    monkeypatch.setenv("KVCLI_SOCKET", str(s.path))
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("where", ["--no-server", "--server"])
+def test_a_document_too_long_is_refused_before_loading(tmp_path, short_model_dir, no_weights, where, request):
+    long = tmp_path / "long.txt"
+    long.write_text(sample_text(8000), encoding="utf-8")
+    if where == "--server":
+        server = request.getfixturevalue("server")
+    result = run("prefill", long, "--model", short_model_dir, "-o", tmp_path / "long.kv", where)
+    assert_clean_error(result, 1, "long.txt", "exceed the model's limit of 1024 positions")
+    assert not (tmp_path / "long.kv").exists()
+    if where == "--server":
+        assert server.server.warm.status()["models"] == []
+
+
+def test_of_several_documents_only_the_too_long_one_is_refused(tmp_path, short_model_dir):
+    long, short = tmp_path / "long.txt", tmp_path / "short.txt"
+    long.write_text(sample_text(8000), encoding="utf-8")
+    short.write_text(sample_text()[:1500], encoding="utf-8")
+    result = run("prefill", long, short, "--model", short_model_dir, "-o", tmp_path / "out", "--no-server")
+    assert result.exit_code == 1 and "exceed the model's limit" in result.stderr
+    assert (tmp_path / "out" / "short.kv").is_dir() and not (tmp_path / "out" / "long.kv").exists()
+
+
+@pytest.fixture(scope="module")
+def cache(tiny_model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("count-cache")
+    (folder / "d.txt").write_text(sample_text()[:1500], encoding="utf-8")
+    built = run("prefill", folder / "d.txt", "--model", tiny_model_dir, "--no-server")
+    assert built.exit_code == 0, built.stderr
+    return folder / "d.kv"
+
+
+@pytest.mark.parametrize("where", ["--no-server", "--server"])
+@pytest.mark.parametrize("command", ["prefill", "ask"])
+def test_an_unknown_model_is_refused_before_loading(tmp_path, cache, no_weights, where, command, request):
+    if where == "--server":
+        server = request.getfixturevalue("server")
+    args = [cache.with_suffix(".txt"), "-o", tmp_path / "d.kv"] if command == "prefill" else ["-c", cache, "Q?"]
+    result = run(command, *args, "--model", tmp_path / "no-such-model", where)
+    assert_clean_error(result, 1, "no-such-model", "no such model folder")
+    assert not (tmp_path / "d.kv").exists()
+    if where == "--server":
+        assert server.server.warm.status()["models"] == []
+
+
+@pytest.mark.parametrize("command", ["ask", "chat"])
+def test_a_dtype_mismatch_is_refused_before_loading(cache, no_weights, command):
+    args = ["Q?"] if command == "ask" else []
+    result = run(command, "-c", cache, "--dtype", "bfloat16", "--no-server", *args, input="Q?\n")
+    assert_clean_error(result, 3, "dtype", "--convert-dtype")
+
+
+def test_records_of_several_lengths_fit_this_machines_curve():
+    a, b = 4e-3, 6e-8  # a machine whose attention weighs less than the reference curve's
+    recs = [_rec(n, a * n + b * n * n) for n in (1000, 2500, 6000)]
+    e = throughput.estimate(4000, recs)
+    assert e.seconds == pytest.approx(a * 4000 + b * 4000 ** 2) and e.error == pytest.approx(0, abs=1e-9)
+    far = throughput.estimate(40_000, recs)  # far outside the lengths measured: the nearest records scale the curve
+    assert far.seconds == pytest.approx(throughput.curve(40_000) * statistics.median(
+        r["seconds"] / throughput.curve(r["tokens"]) for r in recs))
