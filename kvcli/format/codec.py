@@ -190,7 +190,8 @@ def decode_layer(
     """Inverse of encode_layer, checking every name, dtype, shape and offset against what is expected.
 
     `data` is the stored bytes (already checked against the manifest's sha256), or a store.ShardStream (hashed
-    as it is read: the caller verifies it before using `out`). The payload is streamed: its header is read and checked first, then each tensor is decompressed
+    as it is read: the caller verifies it before using `out`). The payload is streamed: its header is read
+    and checked first, then each tensor is decompressed
     straight into its destination (`out`, else fresh tensors). `out` tensors must have the expected
     shapes and dtype, live on the CPU and be contiguous per [seq, head_dim] block (views of larger
     buffers with room for more tokens are fine). Nothing larger than a small scratch is allocated.

@@ -22,9 +22,9 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
                room: int | None = None) -> KVCache:
     """Read, verify and decompress every shard in parallel threads into a KVCache on `device` in `dtype`.
 
-    Each shard is streamed once, hashed as it is decompressed straight into its layer's buffer (full-attention layers get
-    `room` spare tokens, default ROOM_TOKENS, after the document): peak memory is the restored cache plus
-    a few small buffers per thread. Layer kinds come from the manifest (fit.check_fits compares them
+    Each shard is streamed once, hashed as it is decompressed straight into its layer's buffer
+    (full-attention layers get `room` spare tokens, default ROOM_TOKENS, after the document): peak memory
+    is the restored cache plus a few 1 MiB buffers per thread. Layer kinds come from the manifest (fit.check_fits compares them
     with the model first).
     """
     import torch
