@@ -195,9 +195,8 @@ def quant_spec(states: list[layers.LayerState], bits: int, *, group_size: int = 
 def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: int, *, transform: str, level: int,
                  quant: dict | None = None) -> list[mf.LayerEntry]:
     """Compress and write every layer in parallel threads (zstd and torch copies release the GIL)."""
-    import hashlib
-
     from ..format.codec import encode_layer
+    from ..format.store import shard_digest
 
     def one(i: int) -> mf.LayerEntry:
         state = states[i]
@@ -217,7 +216,7 @@ def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: i
             raw_bytes=enc.raw_bytes,
             decoded_bytes=enc.decoded_bytes,
             stored_bytes=len(enc.data),
-            sha256=hashlib.sha256(enc.data).hexdigest(),
+            sha256=shard_digest(enc.data),
         )
 
     with ThreadPoolExecutor(max_workers=min(len(states), os.cpu_count() or 2)) as pool:

@@ -18,12 +18,20 @@ from ..errors import CacheCorruptError
 
 from .dtypes import ITEM_SIZES, SAFETENSORS as ST_DTYPES
 MAX_HEADER = 64 * 1024  # a shard's safetensors header is a few hundred bytes; anything bigger is hostile
+SOURCE_READ = 1 << 20  # bytes zstd asks of a streamed source (store.ShardStream) at a time
 
 
-def check_declared_size(data: bytes | memoryview, size: int, where: str) -> None:
-    """A zstd frame that declares a content size other than the manifest's is refused unread (bomb guard)."""
+def _head(data) -> bytes | memoryview:
+    """The first bytes of a shard given as bytes, or as a stream with peek() (store.ShardStream)."""
+    return data.peek() if hasattr(data, "peek") else data
+
+
+def check_declared_size(data, size: int, where: str) -> None:
+    """A zstd frame that declares a content size other than the manifest's is refused unread (bomb guard).
+
+    `data`: the stored bytes, or a stream with peek() and read() (store.ShardStream)."""
     try:
-        declared = zstandard.frame_content_size(data)
+        declared = zstandard.frame_content_size(_head(data))
     except zstandard.ZstdError:
         raise CacheCorruptError(f"{where}: not a zstandard frame") from None
     if declared >= 0 and declared != size:
@@ -181,6 +189,7 @@ _CHUNK = 1 << 20  # bytes per read when draining a payload
 class PayloadReader:
     """One shard's payload, streamed: the frame's declared size and the safetensors header are checked on
     entry, then exactly the tensors' bytes are handed out; more or fewer is corruption, reported in one line.
+    `data` is the stored bytes, or a stream with peek() and read() (store.ShardStream, hashed as it is read).
 
         with PayloadReader(data, where=..., transform=..., dtype=..., key_shape=..., value_shape=...,
                            decoded_bytes=...) as src:
@@ -188,7 +197,7 @@ class PayloadReader:
             src.finish()
     """
 
-    def __init__(self, data: bytes | memoryview, *, where: str, transform: str, dtype: str, key_shape, value_shape,
+    def __init__(self, data, *, where: str, transform: str, dtype: str, key_shape, value_shape,
                  decoded_bytes: int, quant: dict | None = None):
         self.data, self.where, self.size, self.got = data, where, decoded_bytes, 0
         self.rules = dict(transform=transform, dtype=dtype, key_shape=tuple(key_shape), value_shape=tuple(value_shape),
@@ -198,7 +207,8 @@ class PayloadReader:
     def __enter__(self) -> "PayloadReader":
         check_declared_size(self.data, self.size, self.where)  # before decompressing anything
         try:
-            self._reader = zstandard.ZstdDecompressor().stream_reader(self.data, read_across_frames=False)
+            self._reader = zstandard.ZstdDecompressor().stream_reader(self.data, read_size=SOURCE_READ,
+                                                                      read_across_frames=False)
             if self.size < 8:
                 raise CacheCorruptError(f"{self.where}: payload too short for a safetensors header")
             first = bytearray(8)

@@ -32,15 +32,22 @@ class OpenedCache:
         """The stored bytes of layer i, checked against the manifest's size and sha256."""
         entry = self.manifest.layers[i]
         where = f"{self.path / entry.file}"
-        size = os.fstat(self.shards[i]).st_size
-        if size != entry.stored_bytes:  # checked before reading: an extended shard is never read into memory
-            raise CacheCorruptError(f"{where}: {size} bytes on disk, manifest says {entry.stored_bytes} (truncated or extended)")
+        _check_size(self.shards[i], entry, where)  # before reading: an extended shard is never read into memory
         data = _read_fd(self.shards[i], entry.stored_bytes + 1)
         if len(data) != entry.stored_bytes:
-            raise CacheCorruptError(f"{where}: {len(data)} bytes on disk, manifest says {entry.stored_bytes} (truncated or extended)")
-        if hashlib.sha256(data).hexdigest() != entry.sha256:
-            raise CacheCorruptError(f"{where}: checksum mismatch (the shard is damaged)")
+            raise _size_error(where, len(data), entry)
+        if shard_digest(data) != entry.sha256:
+            raise _damaged(where)
         return data
+
+    def stream_shard(self, i: int) -> "ShardStream":
+        """Layer i's stored bytes as a stream hashed as it is read (restore: one pass, no copy of the shard).
+
+        Whatever is decoded from it is unverified until ShardStream.verify() has passed."""
+        entry = self.manifest.layers[i]
+        where = f"{self.path / entry.file}"
+        _check_size(self.shards[i], entry, where)
+        return ShardStream(self.shards[i], where, entry.stored_bytes, entry.sha256)
 
     def close(self) -> None:
         for fd in self.shards:
@@ -52,6 +59,71 @@ class OpenedCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+SHARD_HASH = "sha256"  # the one hash of shards' stored bytes (manifest field "sha256"; written in engine/prefilling.py)
+STREAM_CHUNK = payload.SOURCE_READ  # bytes per read when streaming a shard: hashed and decompressed while in cache
+
+
+def shard_digest(data: bytes | memoryview) -> str:
+    return hashlib.new(SHARD_HASH, data).hexdigest()
+
+
+def _size_error(where: str, size: int, entry: mf.LayerEntry) -> CacheCorruptError:
+    return CacheCorruptError(f"{where}: {size} bytes on disk, manifest says {entry.stored_bytes} (truncated or extended)")
+
+
+def _damaged(where: str) -> CacheCorruptError:
+    return CacheCorruptError(f"{where}: checksum mismatch (the shard is damaged)")
+
+
+def _check_size(fd: int, entry: mf.LayerEntry, where: str) -> None:
+    size = os.fstat(fd).st_size
+    if size != entry.stored_bytes:
+        raise _size_error(where, size, entry)
+
+
+class ShardStream:
+    """One shard's stored bytes, read in order in STREAM_CHUNK pieces, each hashed as it is handed out.
+
+    A source for zstandard's stream_reader (read()), so that each piece is hashed and decompressed while it is
+    still in the CPU cache. Never more than the manifest's size is read; verify() hashes whatever the decoder
+    left unread and raises CacheCorruptError (naming the file) unless size and hash match the manifest.
+    """
+
+    def __init__(self, fd: int, where: str, size: int, digest: str):
+        self.fd, self.where, self.size, self.digest = fd, where, size, digest
+        self.pos, self._hash, self._head = 0, hashlib.new(SHARD_HASH), b""
+
+    def _next(self, n: int) -> bytes:
+        n = min(n, self.size - self.pos)
+        chunk = os.pread(self.fd, n, self.pos) if n > 0 else b""
+        self.pos += len(chunk)
+        self._hash.update(chunk)  # releases the GIL for large pieces
+        return chunk
+
+    def peek(self) -> bytes:
+        """The first piece (the zstd frame header is in it), read once and handed out again by read()."""
+        if not self._head and self.pos == 0:
+            self._head = self._next(STREAM_CHUNK)
+        return self._head
+
+    def read(self, n: int = -1) -> bytes:
+        if self._head:
+            head, self._head = self._head, b""
+            return head
+        return self._next(STREAM_CHUNK if n is None or n < 0 else n)
+
+    def verify(self) -> None:
+        """Hash the rest and check size and digest: a damaged, truncated or swapped shard is refused here."""
+        self._head = b""
+        while self.pos < self.size:
+            if not self._next(STREAM_CHUNK):
+                break
+        if self.pos != self.size or os.pread(self.fd, 1, self.pos):
+            raise CacheCorruptError(f"{self.where}: {self.pos} bytes read, manifest says {self.size} (truncated or extended)")
+        if self._hash.hexdigest() != self.digest:
+            raise _damaged(self.where)
 
 
 def _read_fd(fd: int, limit: int) -> bytes:

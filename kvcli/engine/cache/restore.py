@@ -8,6 +8,7 @@ from typing import Any
 
 from . import layers
 from .kvcache import GROW_STEP, FullLayer, KVCache, SlidingLayer
+from ...errors import CacheCorruptError
 from ...format.codec import DTYPES, decode_layer
 from ...format.store import OpenedCache
 
@@ -21,9 +22,9 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
                room: int | None = None) -> KVCache:
     """Read, verify and decompress every shard in parallel threads into a KVCache on `device` in `dtype`.
 
-    Each shard is read once and decompressed straight into its layer's buffer (full-attention layers get
-    `room` spare tokens, default ROOM_TOKENS, after the document): peak memory is the restored cache plus
-    a few small buffers per thread. Layer kinds come from the manifest (fit.check_fits compares them
+    Each shard is streamed once, hashed as it is decompressed straight into its layer's buffer
+    (full-attention layers get `room` spare tokens, default ROOM_TOKENS, after the document): peak memory
+    is the restored cache plus a few 1 MiB buffers per thread. Layer kinds come from the manifest (fit.check_fits compares them
     with the model first).
     """
     import torch
@@ -53,9 +54,19 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
             layer.restore(keys, values, entry.seq_length)
         return layer
 
-    workers = threads or min(len(m.layers), max(2, os.cpu_count() or 2))
+    workers = threads or default_threads(len(m.layers))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return KVCache(list(pool.map(one, range(len(m.layers)))))
+
+
+def default_threads(layers: int) -> int:
+    """Restore threads: one per core this process may use (at least 2, so one decodes while another waits on a
+    read or the GIL), never more than there are layers."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 2
+    return max(1, min(layers, max(2, cores)))
 
 
 def load_states(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threads: int | None = None,
@@ -65,21 +76,29 @@ def load_states(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, thre
 
 
 def _decode_shard(cache: OpenedCache, i: int, stored: Any, out):
-    """Decode layer i (into `out` if given) after checking the shard's size and sha256.
+    """Decode layer i (into `out` if given), hashing the shard as it streams into the decompressor.
 
-    The shard is read in one call and hashed before a single byte reaches the decompressor, so damaged
-    or swapped bytes are reported as such and never decoded.
+    One pass over the stored bytes: each piece is hashed, then decompressed while still in the CPU cache. The
+    layer is handed back only after the whole shard's size and hash have matched the manifest; if decoding
+    fails first, the hash is still finished, so damaged or swapped bytes are reported as such (checksum
+    mismatch, naming the file) rather than as whatever the decoder tripped over.
     """
     entry = cache.manifest.layers[i]
-    data = cache.read_shard(i)  # size and sha256 checked against the manifest
-    return decode_layer(
-        data,
-        name=str(cache.path / entry.file),
-        transform=cache.manifest.transform,
-        dtype=stored,
-        key_shape=entry.key_shape,
-        value_shape=entry.value_shape,
-        decoded_bytes=entry.decoded_bytes,
-        out=out,
-        quant=cache.manifest.quant,  # 8-/4-bit caches are dequantized straight into `out`
-    )
+    stream = cache.stream_shard(i)  # size checked against the manifest before anything is read
+    try:
+        result = decode_layer(
+            stream,
+            name=str(cache.path / entry.file),
+            transform=cache.manifest.transform,
+            dtype=stored,
+            key_shape=entry.key_shape,
+            value_shape=entry.value_shape,
+            decoded_bytes=entry.decoded_bytes,
+            out=out,
+            quant=cache.manifest.quant,  # 8-/4-bit caches are dequantized straight into `out`
+        )
+    except CacheCorruptError:
+        stream.verify()  # a damaged shard is reported by its checksum
+        raise
+    stream.verify()  # before the layer is used
+    return result
