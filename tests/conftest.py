@@ -97,6 +97,15 @@ def tiny_model_dir(tokenizer, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def short_model_dir(tokenizer, tmp_path_factory) -> Path:
+    """A tiny llama folder with only 1,024 positions: documents that do not fit it are refused."""
+    folder = tmp_path_factory.mktemp("short-llama")
+    tiny_llama(len(tokenizer), max_position_embeddings=1024).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def default_lm(session_home):
     """The real default model (converted once per session into the session's KVCLI_HOME)."""
     import kvcli

@@ -18,7 +18,7 @@ import pytest
 from kvcli.documents import decode
 from kvcli.engine import counting, throughput
 from kvcli.engine.model import light
-from tests.conftest import sample_text, tiny_llama
+from tests.conftest import sample_text
 from tests.helpers import assert_clean_error, json_lines, run
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -191,14 +191,6 @@ def no_weights(monkeypatch):
         raise AssertionError("model weights were loaded for a request that is refused")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
-
-
-@pytest.fixture(scope="module")
-def short_model_dir(tokenizer, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("short-llama")
-    tiny_llama(len(tokenizer), max_position_embeddings=1024).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture

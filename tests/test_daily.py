@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import kvcli
-from tests.conftest import reference_answer, sample_text, tiny_llama
+from tests.conftest import sample_text
 from tests.helpers import assert_clean_error, error_lines, json_lines, run, run_python
 
 HEAVY = ("torch", "transformers", "safetensors", "numpy")
@@ -285,14 +285,6 @@ def test_count_flags_a_document_too_long(tmp_path, tiny_model_dir):
     assert result.exit_code == 1 and "long.txt" in error_lines(result)[0]
     (c,) = json_lines(result.stdout)
     assert c["tokens"] > 8192 and c["fits"] is False and c["room"] < 0
-
-
-@pytest.fixture(scope="module")
-def short_model_dir(tokenizer, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("short-llama")
-    tiny_llama(len(tokenizer), max_position_embeddings=1024).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_ask_warns_when_max_new_tokens_cannot_fit(short_model_dir, tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -42,14 +41,6 @@ def cache_dir(doc_file, tiny_model_dir):
     result = run("prefill", doc_file, "--model", tiny_model_dir)
     assert result.exit_code == 0, result.stderr
     return doc_file.with_suffix(".kv")
-
-
-@pytest.fixture(scope="module")
-def short_model_dir(tokenizer, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("short-llama")
-    tiny_llama(len(tokenizer), max_position_embeddings=1024).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
