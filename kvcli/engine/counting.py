@@ -57,8 +57,10 @@ class Counter:
         else:
             from .cache import layers
 
-            self.config, self.tokenizer = models.config_and_tokenizer(source, trust_remote_code=trust_remote_code)
-            self.plan = layers.plan(self.config)  # refuses models kvcli cannot cache, as prefill would
+            # layers.plan refuses models kvcli cannot cache, as prefill would (before their tokenizer is read)
+            self.config, self.tokenizer = models.config_and_tokenizer(source, trust_remote_code=trust_remote_code,
+                                                                      check=layers.plan)
+            self.plan = layers.plan(self.config)
             self.loaded = f"config and tokenizer through transformers, torch imported ({got})"
         self.source = source
         self.framing = fr.choose(self.tokenizer, framing, system)

@@ -20,7 +20,7 @@ from ..cache.kvcache import FullLayer
 
 class LoneFirstDecoder:
     """Decoder's interface (add, drop, step, busy, waiting, active) over a SoloDecoder for a lone row and a
-    batch Decoder, made when a second row arrives and let go when it is idle."""
+    batch Decoder, made anew each time a second row arrives."""
 
     def __init__(self, model: Any, cache: Any, *, width: int, eos: set[int], pad_id: int, length: int | None = None):
         self.model, self.kv, self.width, self.eos, self.pad_id, self.length = model, cache, width, eos, pad_id, length
@@ -71,7 +71,7 @@ class LoneFirstDecoder:
             finished = self.solo.step()
             self.last_rows = self.solo.last_rows
             return finished
-        if self.batch is None:
+        if self.batch is None or not self.batch.busy:  # a new batch over the document's views as they are now
             self.batch = Decoder(self.model, self.kv.states(), width=self.width, eos=self.eos, pad_id=self.pad_id,
                                  length=self.length)
         if self.solo.active:
@@ -81,9 +81,7 @@ class LoneFirstDecoder:
         self.incoming.clear()
         finished = self.batch.step()
         self.last_rows = self.batch.last_rows
-        if not self.batch.busy:
-            self.batch = None  # its suffix buffers go; the next lone row runs on the KVCache again
-        return finished
+        return finished  # an idle batch keeps its suffix buffers (counted) until the engine lets this decoder go
 
     def _move(self, row: Row) -> None:
         """The lone row's own tokens' keys/values [1, kv_heads, n, head_dim] per layer into a batch row; rewind."""

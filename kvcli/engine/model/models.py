@@ -261,8 +261,9 @@ def load_config(source: dict[str, Any], *, trust_remote_code: bool = False, prog
         raise _load_error(source, exc) from exc
 
 
-def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = False):
-    """Config and tokenizer only, never the weights (a GGUF model not yet converted is read in place)."""
+def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = False, check: Any = None):
+    """Config and tokenizer only, never the weights (a GGUF model not yet converted is read in place);
+    check(config), if given, runs before the tokenizer is read (a model kvcli refuses is named as such)."""
     from transformers import AutoConfig, AutoTokenizer
 
     where, extra, light = None, {}, None
@@ -280,6 +281,12 @@ def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = Fa
     try:
         with _quiet_transformers():
             config = AutoConfig.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code, **extra)
+    except Exception as exc:
+        raise _load_error(source, exc) from exc
+    if check is not None:
+        check(config)
+    try:
+        with _quiet_transformers():
             tok = AutoTokenizer.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code, **extra)
     except Exception as exc:
         raise _load_error(source, exc) from exc
