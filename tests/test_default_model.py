@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +113,33 @@ def test_kvcli_model_env_is_the_default(tiny_model_dir, tmp_path, monkeypatch):
     doc.write_text("Ducks live near water.", encoding="utf-8")
     assert run("prefill", doc).exit_code == 0
     assert kvcli.read_manifest(tmp_path / "d.kv").model["source"]["path"] == str(tiny_model_dir.resolve())
+
+
+
+def _resident_kb(path: Path) -> int:
+    """KiB of `path`'s mappings in this process that are in memory (Linux's /proc/self/smaps)."""
+    total, current = 0, None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            current = fields[5] if len(fields) > 5 else None
+        elif current == str(path) and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="resident pages are read from Linux's /proc/self/smaps")
+def test_page_in_makes_mapped_weights_resident(tmp_path):
+    """Weights mapped from a safetensors file are in memory after page_in (load calls it), so the first
+    question does not fault them in page by page."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = (tmp_path / "w.safetensors").resolve()
+    save_file({"w": torch.randn(2048, 2048)}, path)  # 16 MiB
+    layer = torch.nn.Linear(2048, 2048, bias=False)
+    layer.weight = torch.nn.Parameter(load_file(path)["w"], requires_grad=False)  # a view of the mapped file
+    before = _resident_kb(path)
+    models.page_in(layer)
+    after = _resident_kb(path)
+    assert before < 4096 <= 0.95 * 16384 <= after, (before, after)
