@@ -199,7 +199,7 @@ def main() -> None:
     restore_all()  # warm-up (imports, allocator)
     r = rounds({"read": read_all, "hash": hash_all, "decode": decode_all, "restore": restore_all}, args.repeats)
     others = {name: hash_rate(name) for name in ("sha256", "sha1", "blake2b", "blake3")}
-    del blobs
+    blobs.clear()
     fresh = {k: fresh_s(path, k, args.fresh) for k in ("restore", "allocate")} if args.fresh else None
     t_read, t_hash, t_dec, t_res = (r[k][0] for k in ("read", "hash", "decode", "restore"))
     result = {

@@ -125,7 +125,7 @@ def crafted_shards(stored: bytes, raw_bytes: int) -> list[tuple[str, bytes, int 
     if "keys.codes" in header:
         _quant_lies(header, body, with_header, add)
         return out
-    keys, values = header["keys"], header["values"]
+    keys = header["keys"]
     nk = keys["data_offsets"][1]
     # safetensors header lies
     with_header("keys dtype F32 (byteplane wants U8)", lambda h: h["keys"].update(dtype="F32"))

@@ -12,12 +12,11 @@ import torch
 import kvcli
 from kvcli.documents import decode
 from kvcli.engine import fidelity
-from kvcli.engine.cache import restore
 from kvcli.engine.prefilling import QUANT_EXACT, QUANT_RECENT, prefill, quant_spec, run_chunks
 from kvcli.errors import CacheCorruptError, CacheVersionError, ModelError
 from kvcli.format import codec, manifest as mf, payload, quant, store
 from kvcli.engine.cache import layers
-from tests.conftest import sample_text, tiny_llama
+from tests.conftest import sample_text
 from tests.helpers import assert_clean_error, run
 
 SHAPES = [(1, 3, 37, 16), (1, 2, 200, 64), (1, 1, 3, 5)]  # partial groups, several groups, fewer tokens than exact

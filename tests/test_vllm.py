@@ -74,7 +74,6 @@ def corpus(tmp_path_factory, session_home):
     from transformers import AutoTokenizer
 
     from kvcli.engine.prompt import framing
-    from kvcli.engine.model import models
     from kvcli.format import manifest as mf, store
 
     root = tmp_path_factory.mktemp("vllm")
