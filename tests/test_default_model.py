@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import kvcli
-from kvcli.engine.model import models
+from kvcli.engine.model import models, paging
 from tests.conftest import SAMPLES, reference_answer, tiny_llama
 from tests.helpers import assert_clean_error, json_lines, run
 
@@ -140,6 +140,6 @@ def test_page_in_makes_mapped_weights_resident(tmp_path):
     layer = torch.nn.Linear(2048, 2048, bias=False)
     layer.weight = torch.nn.Parameter(load_file(path)["w"], requires_grad=False)  # a view of the mapped file
     before = _resident_kb(path)
-    models.page_in(layer)
+    paging.page_in(layer)
     after = _resident_kb(path)
     assert before < 4096 <= 0.95 * 16384 <= after, (before, after)

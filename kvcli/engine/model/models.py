@@ -340,6 +340,7 @@ def load(
 
     On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/model/attention.py)."""
     from . import attention
+    from .paging import page_in
     from ..cache import layers
 
     source = dict(source) if source is not None else resolve(model, revision=revision)
@@ -364,20 +365,6 @@ def load(
     if source["kind"] == "hub":
         source["revision"] = getattr(lm.config, "_commit_hash", None) or source.get("revision")
     return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fingerprint(lm, tok, _weight_files(source, where), kvcli_home() / "fingerprints"))
-
-
-def page_in(model: Any) -> None:
-    """Read every CPU weight once. Weights read from safetensors are mapped from the file, and the first forward
-    pass would otherwise fault them in page by page: ~100 ms on the first question (default model, this is ~60 ms)."""
-    import torch
-
-    seen: set[int] = set()
-    with torch.inference_mode():
-        for t in [*model.parameters(), *model.buffers()]:
-            if t.device.type != "cpu" or not t.numel() or t.dtype == torch.bool or t.data_ptr() in seen:
-                continue
-            seen.add(t.data_ptr())
-            t.detach().amax()  # [] : the value is not needed, only the pages
 
 
 def _weight_files(source: dict[str, Any], where: str) -> list[Path]:
