@@ -108,8 +108,7 @@ def _light_folder(source: dict) -> Path | None:
     if source["kind"] == "folder":
         return Path(source["path"])
     if source["kind"] in ("default", "gguf"):
-        folder = models.kvcli_home() / "models" / f"gguf-{source['sha256'][:16]}"
-        for f in (folder, folder.with_name(folder.name + "-config")):
+        for f in models.gguf_folders(source["sha256"]):
             if (f / "config.json").is_file():
                 return f
     return None
@@ -158,7 +157,7 @@ def _weights_folder(source: dict | None):
     if source.get("kind") == "folder":
         return Path(source["path"])
     if source.get("kind") in ("default", "gguf"):
-        folder = models.kvcli_home() / "models" / f"gguf-{source['sha256'][:16]}"
+        folder = models.gguf_folders(source["sha256"])[0]
         return folder if folder.is_dir() else None
     return None
 

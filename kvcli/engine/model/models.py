@@ -113,7 +113,7 @@ def reload_source(source: dict[str, Any]) -> dict[str, Any]:
         path = default_gguf_path()
         return {"kind": "default", "name": DEFAULT_NAME, "path": str(path), "sha256": _cached_sha(path)}
     if kind == "gguf":
-        if not (kvcli_home() / "models" / f"gguf-{str(source.get('sha256'))[:16]}" / "config.json").is_file():
+        if not (gguf_folders(str(source.get("sha256")))[0] / "config.json").is_file():
             path = Path(str(source.get("path")))
             if not path.is_file():
                 raise ModelError(f"{path}: the cache's GGUF model is gone; pass --model")
@@ -181,9 +181,15 @@ def pick_dtype(dtype: str, device: str, config: Any):
     return own or torch.float32
 
 
+def gguf_folders(sha: str) -> tuple[Path, Path]:
+    """A GGUF file's (by sha256) folders under KVCLI_HOME: converted to float32, and its config and tokenizer alone."""
+    folder = kvcli_home() / "models" / f"gguf-{sha[:16]}"
+    return folder, folder.with_name(folder.name + "-config")
+
+
 def _converted_folder(gguf: Path, sha: str, progress: Progress | None) -> Path:
     """Convert a GGUF file once into a float32 transformers folder under KVCLI_HOME (atomic)."""
-    folder = kvcli_home() / "models" / f"gguf-{sha[:16]}"
+    folder = gguf_folders(sha)[0]
     if (folder / "config.json").is_file():
         return folder
     import torch
@@ -270,8 +276,7 @@ def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = Fa
     if source["kind"] not in ("default", "gguf"):
         where = _load_path(source, None)
     else:
-        folder = kvcli_home() / "models" / f"gguf-{source['sha256'][:16]}"
-        light = folder.with_name(folder.name + "-config")  # config and tokenizer alone, read from the GGUF file once
+        folder, light = gguf_folders(source["sha256"])  # light: config and tokenizer alone, read from the GGUF file once
         if (folder / "config.json").is_file():
             where, light = str(folder), None
         elif (light / "config.json").is_file() and (light / "tokenizer_config.json").is_file():
