@@ -72,7 +72,7 @@ def test_check_on_an_exact_cache(tiny_lm, api_cache):
         body = a.to_json()
         assert body["check"] == {"identical": True, "tokens": 10, "first_divergence": None, "max_logit_diff": c.max_logit_diff,
                                  "divergences": [], "dtype": "float32", "device": "cpu", "agreement": 1.0,
-                                 "kl_mean": c.kl_mean, "storage": "lossless"}
+                                 "kl_mean": c.kl_mean, "storage": "lossless", "weights": "float"}
         assert 0 <= c.kl_mean < 1e-6
         json.dumps(body)
     assert "check" not in session.ask(QUESTIONS[0], OPTS).to_json()  # only when asked for

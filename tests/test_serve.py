@@ -191,6 +191,14 @@ def test_prefill_kv_bits_through_the_server_equals_in_process(here, world, serve
     assert bad[-1]["event"] == "fail" and "kv_bits" in bad[-1]["message"] and not (here / "x.kv").exists()
 
 
+def test_prefill_weights_travel_to_the_server(here, world):
+    """--weights reaches the server's model load: q4 on a folder model is refused there as in-process."""
+    served = run("prefill", "a.txt", "-o", "w.kv", "--model", str(world["model"]), "--weights", "q4", "--force")
+    local = run("prefill", "a.txt", "-o", "w.kv", "--model", str(world["model"]), "--weights", "q4", "--force", "--no-server")
+    assert served.exit_code == local.exit_code == 1 and "only a GGUF model" in served.stderr
+    assert error_lines(served) == error_lines(local) and not (here / "w.kv").exists()
+
+
 def _reference(world, cache, question, n):
     return kvcli.Session(world["lm"], cache).ask(question, kvcli.GenerationOptions(max_new_tokens=n)).answer_token_ids
 

@@ -49,6 +49,7 @@ def info(
     head.add_row("built with", Text(f"torch {prov.get('torch_version')}, {prov.get('device_type')}, attention "
                                     f"{prov.get('attn_implementation')}, transformers {s['transformers_version']}" if prov
                                     else f"transformers {s['transformers_version']} (torch, device, attention not recorded)"))
+    head.add_row("weights", Text(catalog.describe_weights(m)))
     head.add_row("storage", Text(catalog.describe_storage(m)))
     out.table(head)
     table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")

@@ -13,7 +13,7 @@ from ..errors import UsageError
 from ..output import Output
 from ..rendering import PrefillRenderer
 from .app import command
-from .options import DeviceOpt, DtypeOpt, EncodingOpt, FramingOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, ServerOpt, SystemOpt, TrustOpt
+from .options import DeviceOpt, DtypeOpt, EncodingOpt, FramingOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, ServerOpt, SystemOpt, TrustOpt, WeightsOpt
 
 
 @command
@@ -28,6 +28,7 @@ def prefill(
     framing: FramingOpt = "auto",
     chunk_size: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Tokens per forward pass (default: 1024, chosen by measurement).", show_default=False)] = None,
     dtype: DtypeOpt = "auto",
+    weights: WeightsOpt = "float",
     device: DeviceOpt = "auto",
     encoding: EncodingOpt = "utf-8",
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing cache.")] = False,
@@ -51,7 +52,7 @@ def prefill(
         raise UsageError("--shard needs --from-list")
     if from_list is not None or is_url(output) or any(is_url(d) for d in docs):
         return _prefill_corpus(out, docs, from_list, shard, output, model=model, revision=revision, system=system, framing=framing,
-                               chunk_size=chunk_size, dtype=dtype, device=device, encoding=encoding, force=force,
+                               chunk_size=chunk_size, dtype=dtype, weights=weights, device=device, encoding=encoding, force=force,
                                trust_remote_code=trust_remote_code, json_out=json_out, kv_bits=kv_bits)
     if not docs:
         raise UsageError("no document given (DOC ..., or --from-list FILE)")
@@ -59,8 +60,8 @@ def prefill(
     # a document on stdin is prefilled in-process
     if server is not False and "-" not in docs:
         fields = {"docs": [[os.path.abspath(d), os.path.abspath(t)] for d, t in targets], "model": served.client_model(model or os.environ.get("KVCLI_MODEL")),
-                  "revision": revision, "system": system, "framing": framing, "chunk_size": chunk_size, "dtype": dtype, "device": device,
-                  "encoding": encoding, "force": force, "trust_remote_code": trust_remote_code, "kv_bits": kv_bits}
+                  "revision": revision, "system": system, "framing": framing, "chunk_size": chunk_size, "dtype": dtype, "weights": weights,
+                  "device": device, "encoding": encoding, "force": force, "trust_remote_code": trust_remote_code, "kv_bits": kv_bits}
         if folder is not None:
             writing.make_folder(folder)  # the server writes into it
         render = PrefillRenderer(out, targets, json_out=json_out, served=True)
@@ -82,7 +83,8 @@ def prefill(
         if folder is not None:
             writing.make_folder(folder)
         with out.status("loading model"):
-            lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
+            lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note,
+                             weights=weights)
         yield _Held(lm)
 
     render = PrefillRenderer(out, targets, json_out=json_out)
@@ -115,7 +117,7 @@ class _Held:
 
 def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shard: Optional[str], output: Optional[str], *,
                     model, revision, system, framing, chunk_size, dtype, device, encoding, force, trust_remote_code, json_out,
-                    kv_bits: Optional[int] = None) -> int:
+                    kv_bits: Optional[int] = None, weights: str = "float") -> int:
     """Documents from a list and/or URLs, this process's share, one result line each (library: engine.corpus)."""
     from ..engine import corpus, prefilling as pf
     from ..engine.model import models
@@ -133,7 +135,8 @@ def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shar
         out.note(f"no documents to prefill{label}")
         return 0
     with out.status("loading model"):
-        lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
+        lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note,
+                         weights=weights)
     counts = {"built": 0, "skipped": 0, "failed": 0}
     results = corpus.run(lm, jobs, read=placement.reader(encoding), system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK,
                          force=force, incremental=from_list is not None, kv_bits=kv_bits,

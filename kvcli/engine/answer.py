@@ -171,10 +171,7 @@ class ModelPool:
         from .model import models
 
         dtype = self.dtype or manifest.dtype
-        if self.spec:
-            source = models.resolve(self.spec, revision=self.revision)
-        else:
-            source = models.reload_source(manifest.model.get("source", {}))
+        source = models.cache_source(self.spec, manifest.model.get("source", {}), revision=self.revision)
         key = json.dumps([source, dtype], sort_keys=True)
         if key not in self._loaded:
             self._loaded[key] = models.load(source=source, device=self.device, dtype=dtype,

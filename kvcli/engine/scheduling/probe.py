@@ -152,10 +152,8 @@ def remembered(lm: Any) -> Batching:
     """The verdict for a loaded model, kept on disk for models loaded from files (KVCLI_HOME/probes/, keyed by
     the weights' and config's fingerprints, attention, dtype, device, torch and kvcli versions), so a
     one-question process does not probe again what an earlier process measured."""
-    import hashlib
     import json
 
-    from ... import __version__
     from ..model import attention
     from ...home import kvcli_home, remember
 
@@ -165,11 +163,7 @@ def remembered(lm: Any) -> Batching:
     mkey = (impl, str(model.dtype), str(model.device))
     if mkey in memo or impl not in attention.NAMES or lm.source.get("kind") in (None, "object"):
         return verdict(model)
-    import torch
-
-    key = hashlib.sha256(json.dumps([lm.fingerprint.get("weights_sha256"), lm.fingerprint.get("config_sha256"), *mkey,
-                                     torch.__version__, __version__]).encode()).hexdigest()[:32]
-    path = kvcli_home() / "probes" / f"{key}.json"
+    path = kvcli_home() / "probes" / f"{disk_key(lm)}.json"
     try:
         saved = json.loads(path.read_text())
         memo[mkey] = Batching(bool(saved["ok"]), str(saved["reason"]), float(saved["max_diff"]), float(saved["ms"]))
@@ -179,3 +173,20 @@ def remembered(lm: Any) -> Batching:
     found = verdict(model)
     remember(path, json.dumps(found.to_json()))
     return found
+
+
+def disk_key(lm: Any) -> str:
+    """What a remembered verdict is kept under: weights, config, the arithmetic (attention, dtype, device, and the
+    weights mode when not float: a q4 model batches differently), torch and kvcli versions."""
+    import hashlib
+    import json
+
+    import torch
+
+    from ... import __version__
+
+    model = lm.model
+    mkey = (getattr(model.config, "_attn_implementation", None), str(model.dtype), str(model.device))
+    mode = lm.fingerprint.get("weights", "float")
+    parts = [lm.fingerprint.get("weights_sha256"), lm.fingerprint.get("config_sha256"), *mkey, torch.__version__, __version__]
+    return hashlib.sha256(json.dumps(parts + ([mode] if mode != "float" else [])).encode()).hexdigest()[:32]

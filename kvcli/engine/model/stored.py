@@ -1,0 +1,203 @@
+"""A GGUF model's 4-bit weights run as stored (`weights="q4"`): faster decoding on the CPU, at a known cost.
+
+Every linear layer whose GGUF tensor is Q4_1 runs through torch's packed int4 matmul for the CPU
+(`_weight_int4pack_mm_for_cpu`, the kernel torchao and gpt-fast use) on the file's own 4-bit codes, with
+bfloat16 activations and scales (the kernel's fast path takes only bfloat16); the output layer runs in
+bfloat16. Decoding reads a quarter of the float32 bytes.
+
+This path is approximate, and says so. Its answers are those of its own arithmetic, not of the float32 path;
+and they are not token-exact against a recompute on the same path either: torch's CPU attention gives the
+last rows of a pass slightly different bits depending on where a prompt is cut (cache, then question; the
+float32 path is unaffected at float32 precision), and rounding activations to bfloat16 turns those last bits
+into visible logit differences (docs/exactness.md has the measured agreement). A cache records the choice
+(fingerprint "weights"), is refused by a model loaded the other way, and --check reports the agreement with
+the recompute in numbers, as for a lossy cache. The blocks are checked once against the float weights
+transformers dequantized from the same file: codes that do not give those weights back (layout, row order)
+stop the load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import ModelError
+
+MODES = ("float", "q4")
+GROUP = 32  # weights per Q4_1 block: one scale and one minimum each
+_Q4_1 = 3  # ggml type id (gguf.GGMLQuantizationType.Q4_1)
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+
+class Q4Linear(torch.nn.Module):
+    """y = x W^T (+ b) with W held as packed 4-bit codes and per-block bfloat16 scale/zero.
+
+    w = (q - 8) * scale + zero per block of 32 inputs, which is Q4_1's w = d * q + m with scale = d and
+    zero = m + 8d. Rows of x are independent (a row's output does not depend on the other rows), so a
+    prompt in chunks and in one pass give the same values."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, in_features: int, out_features: int,
+                 bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("packed", packed)  # [out, in/2] uint8, the kernel's layout
+        self.register_buffer("scales_zeros", scales_zeros)  # [in/32, out, 2] bfloat16
+        self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out], in x's dtype
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]: a fresh contiguous copy
+        y = _INT4_MM(rows, self.packed, GROUP, self.scales_zeros).to(x.dtype)  # [n, out]
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, q4 (group {GROUP})"
+
+
+class Bf16Linear(torch.nn.Module):
+    """A linear layer run in bfloat16 (the output layer of the q4 path), returning x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
+        self.bias = torch.nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+
+
+def q4_blocks(raw: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_1 tensor's bytes [rows, cols/32*20] -> codes [rows, cols] (0..15), d and m [rows, cols/32] float16.
+
+    Block: d (float16), m (float16), then 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31."""
+    blocks = raw.reshape(rows, cols // GROUP, 20)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+    m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+    qs = blocks[..., 4:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(rows, cols)
+    return codes, d, m
+
+
+def dequantize(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """float32 weights d * q + m, as gguf's (and so transformers') dequantizer computes them: [rows, cols]."""
+    rows, cols = codes.shape
+    w = codes.reshape(rows, cols // GROUP, GROUP).float() * d.float()[..., None] + m.float()[..., None]
+    return w.reshape(rows, cols)
+
+
+def _row_orders(rows: int, config: Any) -> list[torch.Tensor | None]:
+    """Row orders to try: as stored, then the query/key un-permutation transformers applies to llama GGUFs."""
+    orders: list[torch.Tensor | None] = [None]
+    for heads in {getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)}:
+        if heads and rows % (2 * heads) == 0:
+            orders.append(torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows))
+    return orders
+
+
+def _tensor_names(model: Any, gguf_reader: Any) -> dict[str, Any]:
+    """transformers module name -> the GGUF tensor holding its weight (gguf's own name map for the architecture)."""
+    import gguf
+
+    arch_name = str(gguf_reader.fields["general.architecture"].contents())
+    arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name), None)
+    if arch is None:
+        raise ModelError(f"--weights q4: GGUF architecture '{arch_name}' is unknown to the gguf package")
+    layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0)
+    names = gguf.get_tensor_name_map(arch, layers)
+    by_name = {t.name: t for t in gguf_reader.tensors}
+    found = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            target = names.get_name(module_name)
+            if target is not None and f"{target}.weight" in by_name:
+                found[module_name] = by_name[f"{target}.weight"]
+    return found
+
+
+def stored_blocks(model: Any, gguf_path: Path) -> dict[str, torch.Tensor]:
+    """Module name -> its Q4_1 blocks [out, in/32*20] uint8 in the model's row order, each checked to give back
+    the weights transformers dequantized from the same file (reading the GGUF's fields costs seconds: done once)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    stored = _tensor_names(model, reader)
+    config, output = model.config.get_text_config(), model.get_output_embeddings()
+    found = {}
+    for name, module in model.named_modules():
+        tensor = stored.get(name)
+        if (module is output or tensor is None or int(tensor.tensor_type) != _Q4_1 or module.in_features % GROUP):
+            continue
+        rows, cols = module.out_features, module.in_features
+        raw = torch.from_numpy(tensor.data.copy()).reshape(rows, -1)  # [rows, cols/32*20]
+        weight = module.weight.detach()  # transformers' dequantized weights, in the model's dtype
+        blocks = q4_blocks(raw, rows, cols)
+        order = next((o for o in _row_orders(rows, config)
+                      if torch.equal(dequantize(*(t if o is None else t[o] for t in blocks)).to(weight.dtype), weight)), False)
+        if order is False:
+            raise ModelError(f"{gguf_path}: tensor {tensor.name} does not give back the weights of {name} "
+                             "(kvcli cannot run this file's 4-bit weights as stored); use --weights float")
+        found[name] = (raw if order is None else raw[order]).contiguous()
+    if not found:
+        raise ModelError(f"{gguf_path}: no linear layer is stored as Q4_1; --weights q4 needs a Q4_1 GGUF file")
+    return found
+
+
+def prepared_blocks(model: Any, gguf_path: Path, folder: Path) -> dict[str, torch.Tensor]:
+    """stored_blocks, kept in `folder` (KVCLI_HOME, keyed by the file's sha256; written atomically) for later loads.
+    The blocks are stored, not the kernel's packing, which may differ between CPUs."""
+    import os
+    import uuid
+
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "q4_1.safetensors"
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    try:
+        blocks = load_file(path)
+        if all(n in linears and b.dtype == torch.uint8 and tuple(b.shape) == (linears[n].out_features,
+               linears[n].in_features // GROUP * 20) for n, b in blocks.items()) and blocks:
+            return blocks
+    except Exception:  # absent, or not what this model needs: made again below
+        pass
+    blocks = stored_blocks(model, gguf_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{path.name}.kvtmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        save_file(blocks, str(tmp))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # not kept: the next load reads the GGUF again
+    finally:
+        tmp.unlink(missing_ok=True)
+    return blocks
+
+
+def use_q4(model: Any, gguf_path: Path, folder: Path) -> dict[str, int]:
+    """Replace `model`'s Q4_1 linear layers by Q4Linear and its output layer by Bf16Linear, in place.
+
+    Returns counts for the provenance: {"q4": linears run from their 4-bit codes, "float": linears left as they were}."""
+    if torch.device(model.device).type != "cpu":
+        raise ModelError("--weights q4 runs on the CPU only (torch's packed int4 kernel for the CPU)")
+    blocks = prepared_blocks(model, gguf_path, folder)
+    output = model.get_output_embeddings()
+    counts = {"q4": 0, "float": 0}
+    with torch.inference_mode():
+        for name, module in list(model.named_modules()):
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            if module is output:
+                model.set_submodule(name, Bf16Linear(module.weight, module.bias))
+                continue
+            if name not in blocks:
+                counts["float"] += 1
+                continue
+            rows, cols = module.out_features, module.in_features
+            codes, d, m = q4_blocks(blocks[name], rows, cols)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)  # [rows, cols/2]
+            scales_zeros = torch.stack([d.float().t(), (m.float() + 8 * d.float()).t()], dim=-1)  # [cols/32, rows, 2]
+            bias = module.bias.detach().clone() if module.bias is not None else None
+            model.set_submodule(name, Q4Linear(packed, scales_zeros.to(torch.bfloat16).contiguous(), cols, rows, bias))
+            counts["q4"] += 1
+    return counts

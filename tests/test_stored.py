@@ -1,0 +1,168 @@
+"""A GGUF model's 4-bit weights run as stored (--weights q4, engine/model/stored.py): the blocks read as gguf
+reads them, the kernel's rows independent of each other, and on the real default model: every linear run from
+its codes, --check reporting the (approximate) agreement, caches of one arithmetic refused by the other, `info`
+saying which."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import kvcli
+from kvcli.engine.model import stored
+from kvcli.errors import CacheMismatchError, ModelError
+from tests.conftest import SAMPLES, reference_answer
+from tests.helpers import assert_clean_error, json_lines, run
+
+QUESTION = "Who may grant a patent license under this license?"
+
+
+def q4_1_bytes(weights: np.ndarray) -> torch.Tensor:
+    """gguf's own Q4_1 quantizer: [rows, cols] float32 -> bytes [rows, cols/32*20]."""
+    import gguf
+
+    return torch.from_numpy(gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q4_1).copy())
+
+
+def test_blocks_read_as_gguf_dequantizes_them():
+    import gguf
+
+    w = np.random.default_rng(0).standard_normal((96, 128)).astype(np.float32)
+    raw = q4_1_bytes(w)
+    codes, d, m = stored.q4_blocks(raw, 96, 128)
+    assert codes.shape == (96, 128) and int(codes.max()) <= 15 and d.dtype == torch.float16
+    expected = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    assert torch.equal(stored.dequantize(codes, d, m), torch.from_numpy(expected))
+
+
+def _q4_linear(rows: int = 64, cols: int = 96, seed: int = 1) -> tuple[stored.Q4Linear, torch.Tensor]:
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    codes, d, m = stored.q4_blocks(q4_1_bytes(w), rows, cols)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    sz = torch.stack([d.float().t(), (m.float() + 8 * d.float()).t()], dim=-1).to(torch.bfloat16).contiguous()
+    # the weights the kernel runs: the codes with bfloat16 scale and zero
+    ref = ((codes.reshape(rows, -1, 32).float() - 8) * sz[..., 0].t().float()[..., None] + sz[..., 1].t().float()[..., None])
+    return stored.Q4Linear(packed, sz, cols, rows, None), ref.reshape(rows, cols)
+
+
+def test_q4_linear_computes_the_blocks_weights():
+    layer, w = _q4_linear()
+    x = torch.randn(2, 5, 96)
+    y = layer(x)
+    assert y.shape == (2, 5, 64) and y.dtype == torch.float32
+    ref = x.to(torch.bfloat16).float() @ w.t()
+    assert torch.allclose(y, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_q4_linear_rows_do_not_depend_on_each_other():
+    """A prompt in chunks and in one pass give the same values only if every row's output is its own."""
+    layer, _ = _q4_linear()
+    x = torch.randn(70, 96)
+    whole = layer(x)
+    for a, b in ((0, 1), (3, 4), (5, 37), (37, 70), (0, 70)):
+        assert torch.equal(layer(x[a:b]), whole[a:b]), (a, b)
+
+
+@pytest.fixture(scope="module")
+def q4_lm(session_home):
+    old = os.environ.get("KVCLI_HOME")
+    os.environ["KVCLI_HOME"] = str(session_home)
+    try:
+        yield kvcli.load(weights="q4")
+    finally:
+        if old is None:
+            os.environ.pop("KVCLI_HOME", None)
+        else:
+            os.environ["KVCLI_HOME"] = old
+
+
+def test_q4_load_runs_every_linear_from_its_codes_and_records_it(q4_lm):
+    modules = dict(q4_lm.model.named_modules())
+    q4 = [n for n, m in modules.items() if isinstance(m, stored.Q4Linear)]
+    assert len(q4) == 7 * 30  # q, k, v, o, gate, up, down in each of 30 layers
+    assert not any(type(m) is torch.nn.Linear for m in modules.values())
+    assert isinstance(q4_lm.model.get_output_embeddings(), stored.Bf16Linear)
+    assert q4_lm.source["weights"] == "q4" and q4_lm.fingerprint["weights"] == "q4"
+    assert q4_lm.fingerprint["dtype"] == "float32"
+
+
+@pytest.fixture(scope="module")
+def short_document(tmp_path_factory):
+    """The sample's first 5,000 characters (about 1,000 tokens): enough to answer from, quick to prefill."""
+    path = tmp_path_factory.mktemp("q4doc") / "license.txt"
+    path.write_text((SAMPLES / "document.txt").read_text()[:5000])
+    return kvcli.read_document(path)
+
+
+@pytest.fixture(scope="module")
+def q4_cache(q4_lm, short_document, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q4") / "document.kv"
+    kvcli.prefill(q4_lm, short_document, out)
+    return out
+
+
+def test_q4_check_reports_its_agreement_as_approximate(q4_lm, q4_cache):
+    """Not token-exact (stored.py says why): --check measures how close, as for a lossy cache."""
+    session = kvcli.Session(q4_lm, q4_cache)
+    answer = session.ask(QUESTION, kvcli.GenerationOptions(max_new_tokens=24), check=True)
+    check = answer.check
+    assert check.weights == "q4" and check.tokens == len(answer.answer_token_ids) > 0
+    assert "q4 weights" in check.describe() and "differences expected" in check.describe()
+    # measured on the whole sample (8 questions, 64 tokens): agreement 0.984-1.0, mean KL at most 0.0015 nats
+    assert check.agreement >= 0.8 and check.kl_mean < 0.05, check.describe()
+    assert answer.answer_token_ids[0] == reference_answer(q4_lm.model, answer.prompt_token_ids, 1)[0]
+
+
+def test_caches_of_one_arithmetic_are_refused_by_the_other(q4_lm, q4_cache, default_lm, short_document, tmp_path):
+    with pytest.raises(CacheMismatchError, match="weights .cache q4, model float"):
+        kvcli.Session(default_lm, q4_cache)
+    float_cache = tmp_path / "float.kv"
+    kvcli.prefill(default_lm, short_document, float_cache)
+    with pytest.raises(CacheMismatchError, match="weights .cache float, model q4"):
+        kvcli.Session(q4_lm, float_cache)
+
+
+def test_cli_asks_a_q4_cache_in_its_weights_and_info_says_which(q4_lm, q4_cache):
+    result = run("ask", "--cache", q4_cache, QUESTION, "--json", "--max-new-tokens", "8", "--no-server")
+    assert result.exit_code == 0, result.stderr
+    (a,) = json_lines(result.stdout)
+    assert a["answer"].strip() and a["cached_tokens"] > 800
+    info = run("info", q4_cache)
+    assert info.exit_code == 0 and "q4 (the GGUF file's 4-bit weights as stored" in info.stdout
+    assert json.loads(run("info", q4_cache, "--json").stdout)["weights"] == "q4"
+
+
+def test_q4_needs_a_gguf_model(tiny_model_dir, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("A short document.")
+    result = run("prefill", doc, "--model", tiny_model_dir, "--weights", "q4", "--no-server")
+    assert_clean_error(result, ModelError.exit_code, "--weights q4", "only a GGUF model")
+
+
+def test_codes_that_do_not_give_back_the_weights_stop_the_load(default_lm):
+    """The check that guards the row order and block layout: one weight off and the load refuses."""
+    import copy
+
+    from kvcli.engine.model.models import default_gguf_path
+
+    model = copy.deepcopy(default_lm.model)  # weights in memory, not the shared model's mapped file
+    with torch.inference_mode():
+        model.model.layers[0].self_attn.q_proj.weight[0, 0] += 1
+    with pytest.raises(ModelError, match="blk.0.attn_q.weight does not give back the weights"):
+        stored.stored_blocks(model, default_gguf_path())
+
+
+def test_what_is_remembered_per_model_keeps_the_two_arithmetics_apart(q4_lm, default_lm):
+    """The batching probe's verdict and the prefill speed records are kept per model on disk: a q4 model's
+    must not be read for the float one (its probe finds batched rows inexact; the float model's does not)."""
+    from kvcli.engine import throughput
+    from kvcli.engine.scheduling import probe
+
+    assert probe.disk_key(q4_lm) != probe.disk_key(default_lm)
+    assert throughput.model_key(q4_lm.source) != throughput.model_key(default_lm.source)
+    assert throughput.model_key(default_lm.source) == f"sha256:{default_lm.source['sha256']}"  # float: as before
+
