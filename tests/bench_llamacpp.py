@@ -1,7 +1,7 @@
 """Benchmark (not collected by pytest): kvcli and llama.cpp side by side on the same GGUF and prompt ids (issue 25).
 
     .ci/llamacpp-up                       # once: llama-cpp-python built from source in a venv of its own
-    python tests/bench_llamacpp.py [--max-new-tokens 64] [--repeats 3] [--doc samples/document.txt] [--json]
+    python tests/bench_llamacpp.py [--max-new-tokens 64] [--repeats 3] [--doc samples/document.txt] [--weights q4] [--json]
 
 Run from kvcli's venv. kvcli frames the document and every question (its chat framing, engine/prompt/) and
 the exact ids go to llama.cpp, which runs in its own venv's python ($KVCLI_LLAMACPP_PYTHON, default
@@ -70,8 +70,9 @@ def run_kvcli(args, questions: list[str], workdir: Path) -> tuple[dict, dict]:
     from kvcli.engine.scheduling.scheduler import engine_for
 
     gguf = str(default_gguf_path())
-    lm = kvcli.load()  # the default model: this GGUF, converted once into a transformers folder (KVCLI_HOME)
-    out: dict = {"load_s": time.perf_counter() - t, "threads": torch.get_num_threads(), "dtype": str(lm.dtype)}
+    lm = kvcli.load(weights=args.weights)  # the default model: this GGUF (float: converted once into a transformers folder)
+    out: dict = {"load_s": time.perf_counter() - t, "threads": torch.get_num_threads(), "dtype": str(lm.dtype),
+                 "weights": args.weights}
     doc = kvcli.read_document(args.doc)
     cache = workdir / "document.kv"
     t = time.perf_counter()
@@ -169,11 +170,13 @@ def render(r: dict) -> str:
         f"same greedy tokens: 1 question: first {one['agree_leading_tokens']} of {one['kvcli_tokens']} agree"
         f" ({'identical' if one['identical'] else 'then they part'}); {n} questions: {batch['identical_answers']} of {n}"
         f" identical, leading tokens agreeing {batch['agree_leading_tokens']}"
-        " (kvcli: GGUF dequantized to float32; llama.cpp: Q4_1 weights, f16 KV: not expected to agree throughout)",
+        + (" (kvcli: GGUF dequantized to float32" if k.get("weights", "float") == "float" else
+           " (kvcli: the Q4_1 codes with bfloat16 scales and activations")
+        + "; llama.cpp: Q4_1 weights, 8-bit activations, f16 KV: not expected to agree throughout)",
         f"CPU: {m['cpu']['model']}, {m['cpu']['cores']} cores; flags: {' '.join(m['cpu']['flags']) or '-'}"
         f"; threads: kvcli (torch) {k['threads']}, llama.cpp {ll['threads']}",
         f"llama.cpp: llama-cpp-python {ll['version']}, n_ctx {ll['n_ctx']}, n_batch {ll['n_batch']}; {ll['system_info']}",
-        f"kvcli: {k['dtype']}; restore runs {', '.join(f'{x:.3f}' for x in k['restore_runs_s'])} s;"
+        f"kvcli: {k['dtype']}, weights {k.get('weights', 'float')}; restore runs {', '.join(f'{x:.3f}' for x in k['restore_runs_s'])} s;"
         f" llama.cpp restore runs {', '.join(f'{x:.3f}' for x in ll['restore_runs_s'])} s",
         f"load average before {m['load_before']}, after {m['load_after']} (a shared machine makes every time noisy)",
     ]
@@ -192,6 +195,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of each side (default: the CPU's cores)")
     ap.add_argument("--llamacpp-python", default=os.environ.get("KVCLI_LLAMACPP_PYTHON")
                     or f"{os.environ.get('KVCLI_LLAMACPP_VENV', '/opt/kvcli-llamacpp-venv')}/bin/python")
+    ap.add_argument("--weights", choices=("float", "q4"), default="float", help="kvcli's weights (kvcli.load(weights=...))")
     ap.add_argument("--json", action="store_true", help="print the whole result as JSON instead of the table")
     args = ap.parse_args()
     if not Path(args.llamacpp_python).is_file():
