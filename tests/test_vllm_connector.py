@@ -23,7 +23,8 @@ def _hash(tag: str) -> str:
 
 
 def make_manifest(ids, *, layers=("full", "full"), windows=(None, None), dtype="float32", model_type="llama",
-                  heads=1, head_dim=4, weights="w", kind="chat", template="t", quant=None, value_dim=None) -> mf.Manifest:
+                  heads=1, head_dim=4, weights="w", kind="chat", template="t", quant=None, value_dim=None,
+                  arithmetic=None) -> mf.Manifest:
     entries = []
     n = len(ids)
     for i, (k, w) in enumerate(zip(layers, windows)):
@@ -42,7 +43,7 @@ def make_manifest(ids, *, layers=("full", "full"), windows=(None, None), dtype="
         model={"source": {"kind": "hub", "id": "tiny", "name": "tiny"}, "name": "tiny", "model_type": model_type,
                "config_sha256": _hash("c"), "weights_sha256": _hash(weights), "tokenizer_sha256": _hash("tok"),
                "chat_template_sha256": _hash(template), "dtype": dtype, "num_layers": len(layers), "num_kv_heads": heads,
-               "head_dim": head_dim, "max_positions": 1024},
+               "head_dim": head_dim, "max_positions": 1024, **({"weights": arithmetic} if arithmetic else {})},
         framing={"kind": kind, "system": None, "version": 1, "template_sha256": _hash(template) if kind == "chat" else None},
         document={"name": "d", "sha256": H, "chars": 10}, token_ids=list(ids), compression=compression, layers=entries)
     if quant is None:  # round trip: everything the index sees went through kvcli's own validation
@@ -69,6 +70,7 @@ def test_a_fitting_cache_has_no_refusal():
     ({"heads": 2}, {}, "key/value heads"),
     ({"dtype": "bfloat16"}, {}, "dtype (cache bfloat16, engine float32)"),
     ({"template": "other"}, {}, "chat template"),
+    ({"arithmetic": "q4"}, {}, "computed on kvcli's q4 weights"),
     ({}, {"hashes": {"config_sha256": _hash("c"), "weights_sha256": None, "tokenizer_sha256": _hash("tok"),
                      "chat_template_sha256": _hash("t")}}, "weights (the engine's could not be computed)"),
     ({}, {"hashes": {"config_sha256": _hash("c"), "weights_sha256": _hash("w"), "tokenizer_sha256": _hash("other"),
