@@ -117,6 +117,7 @@ def run(
         "kvcli_version": __version__,
         "model": lm.source.get("name") or lm.fingerprint.get("name"),
         "dtype": str(lm.dtype).removeprefix("torch."),
+        "weights": lm.fingerprint.get("weights", "float"),  # q4: engine/model/stored.py
         "device": str(lm.device),
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
@@ -330,7 +331,8 @@ def render(result: dict[str, Any]):
     from rich.table import Table
 
     sizes = result["sizes"]
-    title = (f"kvcli bench: {result['model']} ({result['dtype']}, {result['device']}, "
+    weights = "" if result.get("weights", "float") == "float" else f", {result['weights']} weights"
+    title = (f"kvcli bench: {result['model']} ({result['dtype']}{weights}, {result['device']}, "
              f"{result['torch_threads']} torch threads, chunks of {result['chunk_size']})")
     table = Table(title=title, caption="Cached TTFT includes the restore. Answers: whole greedy answers of "
                   f"{result['answer_tokens']} tokens compared with one forward without cache. Naive: torch.save / torch.load "

@@ -17,6 +17,7 @@ def test_bench_run_smoke(tiny_lm, tmp_path):
                        answer_tokens=6)
     json.dumps(result)  # JSON-able as it is
     assert [r["tokens"] for r in result["sizes"]] == [48, 96]  # sorted; framed ids cut to the length asked
+    assert result["weights"] == "float"
     assert result["questions"] and len(result["questions"]) == 2 and seen
     for r in result["sizes"]:
         for key in ("plain_prefill_s", "plain_chunked_prefill_s", "kvcli_prefill_s", "restore_s", "naive_restore_s",

@@ -166,3 +166,17 @@ def test_what_is_remembered_per_model_keeps_the_two_arithmetics_apart(q4_lm, def
     assert throughput.model_key(q4_lm.source) != throughput.model_key(default_lm.source)
     assert throughput.model_key(default_lm.source) == f"sha256:{default_lm.source['sha256']}"  # float: as before
 
+
+
+def test_bench_measures_the_q4_weights_and_says_so(q4_lm, tmp_path):
+    from rich.console import Console
+
+    from kvcli import bench
+    from kvcli.documents import decode
+
+    doc = decode((SAMPLES / "document.txt").read_bytes()[:1500], "doc.txt")
+    result = bench.run(q4_lm, doc, tokens=[128], questions=1, chunk_size=64, workdir=tmp_path, answer_tokens=4)
+    assert result["weights"] == "q4" and result["sizes"][0]["restore_s"] > 0
+    console = Console(record=True, width=200)
+    console.print(bench.render(result))
+    assert "float32, q4 weights" in console.export_text()

@@ -11,7 +11,7 @@ from ..errors import UsageError
 from ..output import Output
 from .app import command
 from .common import gather_questions
-from .options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt
+from .options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, WeightsOpt
 
 
 @command
@@ -27,6 +27,7 @@ def bench(
     revision: RevisionOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    weights: WeightsOpt = "float",
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> int:
@@ -42,7 +43,7 @@ def bench(
     if any(b not in (8, 4) for b in kv_bits):
         raise UsageError(f"--kv-bits must be 8 or 4, got {kv_bits}")
     with out.status("loading model"):
-        lm = models.load(model, revision=revision, device=device, dtype=dtype, progress=out.note)
+        lm = models.load(model, revision=revision, device=device, dtype=dtype, progress=out.note, weights=weights)
     result = bn.run(lm, document, tokens=tokens or None, questions=questions, progress=out.note, answer_tokens=answer_tokens,
                     kv_bits=kv_bits, question_list=pool or None, agreement_tokens=agreement_tokens)
     if json_out:
