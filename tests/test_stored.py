@@ -180,3 +180,21 @@ def test_bench_measures_the_q4_weights_and_says_so(q4_lm, tmp_path):
     console = Console(record=True, width=200)
     console.print(bench.render(result))
     assert "float32, q4 weights" in console.export_text()
+
+
+def test_a_served_q4_cache_is_answered_on_q4_weights(q4_lm, q4_cache, monkeypatch):
+    """The warm server loads the model the way the cache records (its source's weights), as `ask` does alone."""
+    from tests.serve_helpers import ThreadServer, short_dir
+
+    server = ThreadServer(short_dir() / "s.sock")
+    monkeypatch.setenv("KVCLI_SOCKET", str(server.path))
+    try:
+        served = run("ask", "--cache", q4_cache, QUESTION, "--json", "--max-new-tokens", "6", "--server")
+        assert served.exit_code == 0, served.stderr
+        (a,) = json_lines(served.stdout)
+        alone = kvcli.Session(q4_lm, q4_cache).ask(QUESTION, kvcli.GenerationOptions(max_new_tokens=6))
+        assert a["answer_token_ids"] == alone.answer_token_ids
+        (model,) = server.server.warm.status()["models"]  # `kvcli ps --json` shows the same rows
+        assert model["weights"] == "q4" and model["name"] == "SmolLM2-135M-Instruct"
+    finally:
+        server.close()
