@@ -3,7 +3,8 @@
 Every linear layer whose GGUF tensor is Q4_1 runs through torch's packed int4 matmul for the CPU
 (`_weight_int4pack_mm_for_cpu`, the kernel torchao and gpt-fast use) on the file's own 4-bit codes, with
 bfloat16 activations and scales (the kernel's fast path takes only bfloat16); the output layer runs in
-bfloat16. Decoding reads a quarter of the float32 bytes.
+bfloat16. The linear layers then read about a sixth of their float32 bytes (4 bits a weight, plus a
+bfloat16 scale and zero per 32).
 
 This path is approximate, and says so. Its answers are those of its own arithmetic, not of the float32 path;
 and they are not token-exact against a recompute on the same path either: torch's CPU attention gives the
@@ -47,7 +48,7 @@ class Q4Linear(torch.nn.Module):
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out], in x's dtype
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]: a fresh contiguous copy
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in], contiguous (the kernel's input)
         y = _INT4_MM(rows, self.packed, GROUP, self.scales_zeros).to(x.dtype)  # [n, out]
         y = y.view(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
