@@ -117,7 +117,7 @@ def run(
         "kvcli_version": __version__,
         "model": lm.source.get("name") or lm.fingerprint.get("name"),
         "dtype": str(lm.dtype).removeprefix("torch."),
-        "weights": lm.fingerprint.get("weights", "float"),  # q4: engine/model/stored.py
+        "weights": lm.weights,  # q4: engine/model/stored.py
         "device": str(lm.device),
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),

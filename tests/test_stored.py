@@ -198,3 +198,14 @@ def test_a_served_q4_cache_is_answered_on_q4_weights(q4_lm, q4_cache, monkeypatc
         assert model["weights"] == "q4" and model["name"] == "SmolLM2-135M-Instruct"
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("mode, source, device, needle", [
+    ("q8", {"kind": "default"}, "cpu", "--weights q8: choose float or q4"),
+    ("q4", {"kind": "folder", "name": "m"}, "cpu", "only a GGUF model"),
+    ("q4", {"kind": "default"}, "cuda", "runs on the CPU only"),
+])
+def test_a_weights_mode_that_cannot_run_is_refused_before_any_weight_loads(mode, source, device, needle):
+    with pytest.raises(ModelError, match=needle):
+        stored.check_mode(mode, source, device)
+    stored.check_mode("float", source, device)  # float runs anywhere

@@ -79,7 +79,7 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int
     if n == 0:
         return Check(identical=True, tokens=0, first_divergence=None, max_logit_diff=0.0,
                      dtype=dtype_name(lm.dtype), device=lm.device.type, storage=storage,
-                     weights=lm.fingerprint.get("weights", "float"))
+                     weights=lm.weights)
     ids = torch.tensor([list(prompt_ids) + list(answer_ids[:-1])], device=lm.device)  # [1, prompt + answer - 1]
     with torch.inference_mode():
         # logits_to_keep=n: only the positions that predict answer tokens, [1, n, vocab]
@@ -115,7 +115,7 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int
         agreement=(n - len(divergences)) / n,
         kl_mean=float(kl.mean()),
         storage=storage,
-        weights=lm.fingerprint.get("weights", "float"),
+        weights=lm.weights,
     )
 
 

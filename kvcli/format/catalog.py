@@ -24,7 +24,7 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "num_tokens": m.num_tokens,
         "num_layers": len(m.layers),
         "dtype": m.dtype,
-        "weights": m.model.get("weights", "float"),  # "q4": computed with a GGUF file's 4-bit weights (engine/model/stored.py)
+        "weights": m.weights,  # "q4": computed with a GGUF file's 4-bit weights (engine/model/stored.py)
         "bytes_raw": m.bytes_raw,
         "bytes_on_disk": m.bytes_stored,
         "ratio": round(m.bytes_stored / m.bytes_raw, 4) if m.bytes_raw else None,
@@ -54,8 +54,7 @@ WEIGHTS = {"float": "float (as transformers dequantizes them, in the dtype above
 
 def describe_weights(m: Manifest) -> str:
     """One line for `info`: the arithmetic the keys/values were computed with (a model must be loaded the same way)."""
-    mode = m.model.get("weights", "float")
-    return WEIGHTS.get(mode, str(mode))
+    return WEIGHTS.get(m.weights, str(m.weights))
 
 
 def layer_rows(m: Manifest) -> list[dict[str, Any]]:

@@ -91,6 +91,11 @@ class Manifest:
         return self.model["dtype"]
 
     @property
+    def weights(self) -> str:
+        """The arithmetic that computed the keys/values: "float", or "q4" (engine/model/stored.py)."""
+        return self.model.get("weights", "float")
+
+    @property
     def transform(self) -> str:
         return self.compression.get("transform", "none")
 

@@ -353,7 +353,7 @@ class Warm:
                 existing.users += 1
                 return existing
             info = {"name": lm.source.get("name") or lm.fingerprint.get("name"), "source": lm.source.get("kind"),
-                    "dtype": dtype_name(lm.dtype), "device": str(lm.device), "weights": lm.fingerprint.get("weights", "float")}
+                    "dtype": dtype_name(lm.dtype), "device": str(lm.device), "weights": lm.weights}
             entry = _Entry(canonical, "model", lm, memory.model_bytes(lm), info, users=1)
             self._entries[canonical] = entry
             self._evict()

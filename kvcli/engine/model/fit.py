@@ -31,8 +31,8 @@ def check_fits(manifest: mf.Manifest, lm: LoadedModel, where: str, *, convert_dt
             diffs.append("chat template")
     if manifest.framing.get("version") not in SUPPORTED_VERSIONS:
         diffs.append("prompt framing version")
-    if have.get("weights", "float") != want.get("weights", "float"):  # another arithmetic (engine/model/stored.py)
-        diffs.append(f"weights (cache {want.get('weights', 'float')}, model {have.get('weights', 'float')}; "
+    if lm.weights != manifest.weights:  # another arithmetic (engine/model/stored.py)
+        diffs.append(f"weights (cache {manifest.weights}, model {lm.weights}; "
                      "load the model with the cache's --weights)")
     if have.get("dtype") != want.get("dtype") and not convert_dtype:
         diffs.append(f"dtype (cache {want.get('dtype')}, model {have.get('dtype')}; --convert-dtype allows it)")

@@ -50,6 +50,10 @@ class LoadedModel:
         return self.model.dtype
 
     @property
+    def weights(self) -> str:  # "float", or "q4": a GGUF model's 4-bit weights as stored (stored.py)
+        return self.fingerprint.get("weights", "float")
+
+    @property
     def max_positions(self) -> int | None:
         return self.fingerprint.get("max_positions")
 
@@ -337,16 +341,12 @@ def load(
     from ..cache import layers
 
     source = dict(source) if source is not None else resolve(model, revision=revision)
-    mode = weights or source.get("weights", "float")
-    if mode not in stored.MODES:
-        raise ModelError(f"--weights {mode}: choose {' or '.join(stored.MODES)}")
-    if mode != "float" and source["kind"] not in ("default", "gguf"):
-        raise ModelError(f"--weights {mode}: only a GGUF model has weights stored in 4 bits ({source.get('name')} is a {source['kind']} model)")
-    source.pop("weights", None)
+    recorded = source.pop("weights", "float")  # set again below, as loaded
+    mode, dev = weights or recorded, pick_device(device)
+    stored.check_mode(mode, source, dev)  # before any weight loads, as the architecture check below
     config = load_config(source, trust_remote_code=trust_remote_code, progress=progress)
     layers.plan(config)  # raises ModelError for unsupported architectures before loading any weights
     where = _load_path(source, progress)
-    dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev, config)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

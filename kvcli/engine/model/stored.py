@@ -175,15 +175,24 @@ def prepared_blocks(model: Any, gguf_path: Path, folder: Path) -> dict[str, torc
     return blocks
 
 
-def use_q4(model: Any, gguf_path: Path, folder: Path) -> dict[str, int]:
-    """Replace `model`'s Q4_1 linear layers by Q4Linear and its output layer by Bf16Linear, in place.
+def check_mode(mode: str, source: dict[str, Any], device: str) -> None:
+    """Refuse (ModelError) a weights mode this model or device cannot run, before any weight is read."""
+    if mode not in MODES:
+        raise ModelError(f"--weights {mode}: choose {' or '.join(MODES)}")
+    if mode == "float":
+        return
+    if source["kind"] not in ("default", "gguf"):
+        raise ModelError(f"--weights {mode}: only a GGUF model has weights stored in 4 bits "
+                         f"({source.get('name')} is a {source['kind']} model)")
+    if torch.device(device).type != "cpu":
+        raise ModelError(f"--weights {mode} runs on the CPU only (torch's packed int4 kernel for the CPU), not {device}")
 
-    Returns counts for the provenance: {"q4": linears run from their 4-bit codes, "float": linears left as they were}."""
-    if torch.device(model.device).type != "cpu":
-        raise ModelError("--weights q4 runs on the CPU only (torch's packed int4 kernel for the CPU)")
+
+def use_q4(model: Any, gguf_path: Path, folder: Path) -> None:
+    """Replace `model`'s Q4_1 linear layers by Q4Linear and its output layer by Bf16Linear, in place (a CPU
+    model: check_mode); other linear layers stay as they are."""
     blocks = prepared_blocks(model, gguf_path, folder)
     output = model.get_output_embeddings()
-    counts = {"q4": 0, "float": 0}
     with torch.inference_mode():
         for name, module in list(model.named_modules()):
             if not isinstance(module, torch.nn.Linear):
@@ -192,7 +201,6 @@ def use_q4(model: Any, gguf_path: Path, folder: Path) -> dict[str, int]:
                 model.set_submodule(name, Bf16Linear(module.weight, module.bias))
                 continue
             if name not in blocks:
-                counts["float"] += 1
                 continue
             rows, cols = module.out_features, module.in_features
             codes, d, m = q4_blocks(blocks[name], rows, cols)
@@ -200,5 +208,3 @@ def use_q4(model: Any, gguf_path: Path, folder: Path) -> dict[str, int]:
             scales_zeros = torch.stack([d.float().t(), (m.float() + 8 * d.float()).t()], dim=-1)  # [cols/32, rows, 2]
             bias = module.bias.detach().clone() if module.bias is not None else None
             model.set_submodule(name, Q4Linear(packed, scales_zeros.to(torch.bfloat16).contiguous(), cols, rows, bias))
-            counts["q4"] += 1
-    return counts

@@ -187,6 +187,6 @@ def disk_key(lm: Any) -> str:
 
     model = lm.model
     mkey = (getattr(model.config, "_attn_implementation", None), str(model.dtype), str(model.device))
-    mode = lm.fingerprint.get("weights", "float")
+    mode = lm.weights
     parts = [lm.fingerprint.get("weights_sha256"), lm.fingerprint.get("config_sha256"), *mkey, torch.__version__, __version__]
     return hashlib.sha256(json.dumps(parts + ([mode] if mode != "float" else [])).encode()).hexdigest()[:32]
