@@ -157,7 +157,7 @@ def main() -> None:
             list(pool.map(one, [files[i::workers] for i in range(workers)]))
 
     blobs = [f.read_bytes() for f in files]
-    algo = getattr(store, "SHARD_HASH", "sha256")
+    algo = getattr(m, "shard_hash", "sha256")  # the hash this cache's manifest names (older kvcli: sha256)
 
     def hasher(name: str):
         if name == "blake3":
@@ -178,8 +178,9 @@ def main() -> None:
         return stored / rounds({"h": run}, args.repeats)["h"][0] / 1e9
 
     def hash_all() -> None:
+        one = hasher(algo)
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda b: hashlib.new(algo, b).digest(), blobs))
+            list(pool.map(one, blobs))
 
     dtype = DTYPES[m.dtype]
     outs = [(torch.empty(e.key_shape, dtype=dtype), torch.empty(e.value_shape, dtype=dtype)) for e in m.layers]

@@ -50,3 +50,23 @@ def json_lines(text: str) -> list[dict]:
 
 def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def as_format_version(cache, version: int) -> dict:
+    """Rewrite a cache's manifest as format `version` wrote it (1, 2: sha256 shard digests; 3: BLAKE3), its
+    digests recomputed from the shards and its checksum renewed; returns the new body. Nothing else changes,
+    so a version 1 cache must be lossless and a version 2 cache quantized."""
+    from pathlib import Path
+
+    from kvcli.format import manifest as mf, store
+
+    path = Path(cache)
+    body = json.loads((path / mf.MANIFEST_NAME).read_text())
+    old, new = mf.SHARD_HASHES[body["format_version"]], mf.SHARD_HASHES[version]
+    for layer in body["layers"]:
+        del layer[old]
+        layer[new] = store.shard_digest((path / layer["file"]).read_bytes(), new)
+    body["format_version"] = version
+    body["manifest_sha256"] = mf.checksum(body)
+    (path / mf.MANIFEST_NAME).write_text(json.dumps(body))
+    return body

@@ -18,6 +18,7 @@ from kvcli.documents import decode
 from kvcli.errors import CacheCorruptError
 from kvcli.engine.prefilling import prefill
 from tests.conftest import TokenCounter, reference_answer, sample_text
+from tests.helpers import as_format_version
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TRANSFORMS = ["none", "byteplane"]
@@ -162,7 +163,10 @@ def _as_old_format(path):
         payload = save({"keys": k, "values": v})
         data = zstandard.ZstdCompressor(level=3).compress(payload)
         shard.write_bytes(data)
-        layer.update(decoded_bytes=len(payload), stored_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        layer.update(decoded_bytes=len(payload), stored_bytes=len(data))
+        layer.pop(mf.SHARD_HASHES[body["format_version"]])
+        layer["sha256"] = hashlib.sha256(data).hexdigest()  # that kvcli wrote format 1: sha256 digests
+    body["format_version"] = mf.LOSSLESS_SHA256_VERSION
     body["manifest_sha256"] = mf.checksum(body)
     (path / mf.MANIFEST_NAME).write_text(json.dumps(body))
 
@@ -209,6 +213,33 @@ def test_half_precision_caches_restore_bit_identically(tokenizer, doc, tmp_path,
     for state, layer in zip(states, fresh.layers):
         assert state.keys.dtype == getattr(torch, dtype)
         assert torch.equal(_bits(state.keys), _bits(layer.keys)) and torch.equal(_bits(state.values), _bits(layer.values))
+
+
+def test_new_caches_hash_shards_with_blake3_and_sha256_caches_still_read(tiny_lm, doc, tmp_path):
+    """Format 3 records a BLAKE3 digest per shard; caches of formats 1 and 2 (sha256) restore, verify and
+    answer as before, and each version's digest is checked under its own hash."""
+    from blake3 import blake3
+
+    path = tmp_path / "doc.kv"
+    prefill(tiny_lm, doc, path, chunk_size=100)
+    body = json.loads((path / mf.MANIFEST_NAME).read_text())
+    assert body["format_version"] == mf.FORMAT_VERSION == 3 and all("sha256" not in layer for layer in body["layers"])
+    assert [layer["blake3"] for layer in body["layers"]] == [
+        blake3((path / layer["file"]).read_bytes()).hexdigest() for layer in body["layers"]]
+    opts = kvcli.GenerationOptions(max_new_tokens=MAX_NEW)
+    want = kvcli.Session(tiny_lm, path).ask(QUESTIONS[0], opts).answer_token_ids
+    old = as_format_version(path, mf.LOSSLESS_SHA256_VERSION)
+    assert [layer["sha256"] for layer in old["layers"]] == [
+        hashlib.sha256((path / layer["file"]).read_bytes()).hexdigest() for layer in old["layers"]]
+    m = store.verify(path)
+    assert (m.format_version, m.shard_hash) == (1, "sha256")
+    assert kvcli.Session(tiny_lm, path).ask(QUESTIONS[0], opts).answer_token_ids == want
+    shard = path / "layer_000.safetensors.zst"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CacheCorruptError, match="layer_000.*checksum"):
+        store.verify(path)
 
 
 def test_damaged_shard_is_reported_by_its_checksum(tiny_lm, doc, tmp_path):

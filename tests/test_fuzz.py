@@ -15,7 +15,6 @@ catalogue). Run this file alone with `python -m pytest tests/test_fuzz.py`.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import random
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcli.format import manifest as mf, store
+
 SEED = int(os.environ.get("KVCLI_FUZZ_SEED", "20250607"))
 RANDOM_SECONDS = float(os.environ.get("KVCLI_FUZZ_SECONDS", "10"))
 MAX_RANDOM_CASES = 1500
@@ -41,8 +42,12 @@ REPO = Path(__file__).resolve().parent.parent
 # ---------------------------------------------------------------- helpers shared by worker and tests
 
 
+DIGEST = mf.SHARD_HASHES[mf.FORMAT_VERSION]  # the layer key of a shard's digest in the caches kvcli writes
+
+
 def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    """A shard's digest as the manifests kvcli writes hold it."""
+    return store.shard_digest(data, DIGEST)
 
 
 def load_body(cache: Path) -> dict:
@@ -243,7 +248,7 @@ FIELDS: list[tuple[tuple, set[str]]] = [
     for key, kinds in (
         ("index", {"int"}), ("kind", {"str"}), ("cached_length", {"int"}), ("seq_length", {"int"}), ("sliding_window", {"int", "none"}),
         ("file", {"str"}), ("key_shape", {"list"}), ("value_shape", {"list"}), ("raw_bytes", {"int"}), ("decoded_bytes", {"int"}),
-        ("stored_bytes", {"int"}), ("sha256", {"str"}),
+        ("stored_bytes", {"int"}), (DIGEST, {"str"}),
     )
 ] + [(("layers", 0, "key_shape", d), {"int"}) for d in range(4)] + [(("layers", 0, "value_shape", 3), {"int"})]
 QUANT_FIELDS: list[tuple[tuple, set[str]]] = [
@@ -410,7 +415,7 @@ def _crafted_shard(index: int, label: str):
         (cache / layer["file"]).unlink()
         (cache / layer["file"]).write_bytes(data)
         layer["stored_bytes"] = len(data)
-        layer["sha256"] = sha(data)
+        layer[DIGEST] = sha(data)
         if decoded is not None:
             layer["decoded_bytes"] = decoded
         save_body(cache, body)
@@ -432,7 +437,7 @@ def _padded_header_shard(cache, ctx):
     data = zstd(new)
     (cache / layer["file"]).unlink()
     (cache / layer["file"]).write_bytes(data)
-    layer.update(stored_bytes=len(data), sha256=sha(data), decoded_bytes=len(new))
+    layer.update(stored_bytes=len(data), decoded_bytes=len(new), **{DIGEST: sha(data)})
     save_body(cache, body)
 
 
@@ -461,7 +466,7 @@ def catalogue(ctx) -> list[tuple[str, str, object]]:
     add("manifest empty object", "bad", _file_bytes("manifest.json", lambda d: b"{}"))
     add("manifest a list", "bad", _file_bytes("manifest.json", lambda d: b"[]"))
     add("manifest nested 100000 deep", "bad", _file_bytes("manifest.json", lambda d: b"[" * 100000 + b"]" * 100000))
-    add("manifest with a 5000-digit number", "bad", _file_bytes("manifest.json", lambda d: d.replace(b'"format_version": 1', b'"format_version": ' + b"1" * 5000)))
+    add("manifest with a 5000-digit number", "bad", _file_bytes("manifest.json", lambda d: d.replace(b'"format_version": 3', b'"format_version": ' + b"3" * 5000)))
     add("manifest re-indented", "ok", lambda c, x: save_body(c, load_body(c), fix=False) or (c / "manifest.json").write_text(json.dumps(load_body(c), indent=4)))
     add("manifest keys reordered", "ok", lambda c, x: (c / "manifest.json").write_text(json.dumps(dict(reversed(list(load_body(c).items()))))))
     for i, f in enumerate(files):
@@ -558,9 +563,13 @@ def catalogue(ctx) -> list[tuple[str, str, object]]:
     add("8000 tokens, counts consistent", "bad", _recompute(lambda b: _resize_tokens(b, 8000)))
     add("100000 tokens over max_positions", "bad", _recompute(lambda b: _resize_tokens(b, 100_000)))
     add("100000 tokens, max_positions raised", "bad", _recompute(lambda b: _resize_tokens(b, 100_000, max_positions=10**6)))
-    add("layer sha256 of another value", "bad", _recompute(lambda b: b["layers"][0].update(sha256=other_hex)))
-    add("layer sha256 upper-case", "bad", _recompute(lambda b: b["layers"][0].update(sha256=b["layers"][0]["sha256"].upper())))
-    add("layer sha256 of the other shard", "bad", _recompute(lambda b: b["layers"][0].update(sha256=b["layers"][1]["sha256"])))
+    add("layer digest of another value", "bad", _recompute(lambda b: b["layers"][0].update({DIGEST: other_hex})))
+    add("layer digest upper-case", "bad", _recompute(lambda b: b["layers"][0].update({DIGEST: b["layers"][0][DIGEST].upper()})))
+    add("layer digest of the other shard", "bad", _recompute(lambda b: b["layers"][0].update({DIGEST: b["layers"][1][DIGEST]})))
+    add("layer digest dropped", "bad", _recompute(lambda b: b["layers"][0].pop(DIGEST)))
+    add("layer digest under the other hash's key", "bad",
+        _recompute(lambda b: b["layers"][0].update(sha256=b["layers"][0].pop(DIGEST))))
+    add("format version 1: its sha256 digests missing", "bad", _recompute(lambda b: b.update(format_version=1)))
     add("transform none", "bad", _recompute(lambda b: b["compression"].update(transform="none")))
     add("transform unknown", "bad", _recompute(lambda b: b["compression"].update(transform="shuffle")))
     add("codec zlib", "bad", _recompute(lambda b: b["compression"].update(codec="zlib")))
@@ -622,7 +631,8 @@ def quant_catalogue(ctx) -> list[tuple[str, str, object]]:
     add("quant block with an extra field", "bad", _recompute(lambda b: b["compression"]["quant"].update(zero_point=True)))
     add("format version 1 with a quant block", "bad", _recompute(lambda b: b.update(format_version=1)))
     add("format version 1, quant block dropped", "bad", _recompute(lambda b: b.update(format_version=1) or b["compression"].pop("quant")))
-    add("format version 3", "bad", _recompute(lambda b: b.update(format_version=3)))
+    add("format version 2: its sha256 digests missing", "bad", _recompute(lambda b: b.update(format_version=2)))
+    add("format version 4", "bad", _recompute(lambda b: b.update(format_version=4)))
     add("transform byteplane", "bad", _recompute(lambda b: b["compression"].update(transform="byteplane")))
     add("decoded_bytes at raw_bytes", "bad", _recompute(lambda b: b["layers"][0].update(decoded_bytes=b["layers"][0]["raw_bytes"])))
     add("decoded_bytes 1 MiB above", "bad", _recompute(lambda b: b["layers"][0].update(decoded_bytes=b["layers"][0]["decoded_bytes"] + (1 << 20))))
@@ -1077,7 +1087,7 @@ def make_long_cache(pristine: Path, dst: Path, tokens: int, max_positions: int) 
         data = out.getvalue()
         (dst / layer["file"]).unlink()
         (dst / layer["file"]).write_bytes(data)
-        layer.update(stored_bytes=len(data), sha256=sha(data), decoded_bytes=total)
+        layer.update(stored_bytes=len(data), decoded_bytes=total, **{DIGEST: sha(data)})
     body["manifest_sha256"] = mf.checksum(body)
     (dst / "manifest.json").write_text(json.dumps(body, separators=(",", ":")))
 

@@ -17,7 +17,7 @@ from kvcli.errors import CacheCorruptError, CacheVersionError, ModelError
 from kvcli.format import codec, manifest as mf, payload, quant, store
 from kvcli.engine.cache import layers
 from tests.conftest import sample_text
-from tests.helpers import assert_clean_error, run
+from tests.helpers import as_format_version, assert_clean_error, run
 
 SHAPES = [(1, 3, 37, 16), (1, 2, 200, 64), (1, 1, 3, 5)]  # partial groups, several groups, fewer tokens than exact
 
@@ -182,7 +182,7 @@ def caches(tiny_lm, doc, tmp_path_factory):
 def test_quantized_cache_manifest_sizes_and_verify(caches, bits):
     m = store.verify(caches[bits])
     lossless = store.read_manifest(caches[None])
-    assert m.format_version == mf.QUANT_FORMAT_VERSION and lossless.format_version == mf.FORMAT_VERSION
+    assert m.format_version == lossless.format_version == mf.FORMAT_VERSION and m.shard_hash == "blake3"
     assert m.quant == {"bits": bits, "group_size": 64, "exact_tokens": QUANT_EXACT[bits], "recent_tokens": QUANT_RECENT[bits],
                        "scale_dtype": "float16", "keys": "per_channel", "values": "per_token"}
     assert m.storage == f"{bits}-bit" and m.transform == "none"
@@ -275,8 +275,7 @@ def _parse(body):
     lambda b: b["compression"]["quant"].pop("values"),
     lambda b: b["compression"].update(quant=[8]),
     lambda b: b["compression"].update(transform="byteplane"),
-    lambda b: b["compression"].pop("quant"),  # version 2 needs the block
-    lambda b: b.update(format_version=1),  # version 1 has none
+    lambda b: b.update(format_version=1),  # version 1 has none (and sha256 digests)
     lambda b: b["layers"][0].update(decoded_bytes=b["layers"][0]["decoded_bytes"] + (1 << 20)),  # past the layout's bound
 ], ids=lambda f: "")
 def test_manifest_refuses_bad_quant_blocks(caches, edit):
@@ -316,6 +315,7 @@ def test_a_version_2_cache_written_before_the_recent_window_still_reads(tiny_lm,
     prefill(tiny_lm, doc, path, chunk_size=100, kv_bits=8, recent_tokens=0)
     opts = kvcli.GenerationOptions(max_new_tokens=6)
     want = kvcli.Session(tiny_lm, path).ask("Who is the licensor?", opts).answer_token_ids
+    as_format_version(path, mf.QUANT_SHA256_VERSION)  # as the kvcli of that time wrote it
     body = _body(path)
     assert body["compression"]["quant"].pop("recent_tokens") == 0
     body["manifest_sha256"] = mf.checksum(body)
@@ -327,10 +327,10 @@ def test_a_version_2_cache_written_before_the_recent_window_still_reads(tiny_lm,
 
 
 def test_an_older_kvcli_says_the_version_is_not_supported(caches, monkeypatch):
-    monkeypatch.setattr(mf, "SUPPORTED_VERSIONS", (1,))
-    with pytest.raises(CacheVersionError, match="version 2 is not supported"):
-        store.read_manifest(caches[8])
-    store.read_manifest(caches[None])  # lossless caches stay version 1: older readers keep reading them
+    monkeypatch.setattr(mf, "SUPPORTED_VERSIONS", (1, 2))  # kvcli 0.3, before BLAKE3 digests
+    for bits in (8, None):
+        with pytest.raises(CacheVersionError, match="version 3 is not supported"):
+            store.read_manifest(caches[bits])
 
 
 # ---------------------------------------------------------------- the CLI
@@ -347,7 +347,7 @@ def test_cli_prefill_kv_bits_and_info_ls_verify_show_the_scheme(tiny_model_dir, 
     assert r.exit_code == 0 and "4-bit" in r.stdout and "per channel" in r.stdout and "groups of 64" in r.stdout
     assert f"first {QUANT_EXACT[4]} and last {QUANT_RECENT[4]} tokens exact" in r.stdout
     info = json.loads(run("info", cache, "--json").stdout)
-    assert info["storage"] == "4-bit" and info["compression"]["quant"]["bits"] == 4 and info["format_version"] == 2
+    assert info["storage"] == "4-bit" and info["compression"]["quant"]["bits"] == 4 and info["format_version"] == 3
     assert info["compression"]["quant"]["recent_tokens"] == QUANT_RECENT[4]
     r = run("verify", cache)
     assert r.exit_code == 0 and "4-bit" in r.stderr

@@ -186,7 +186,7 @@ def test_prefill_kv_bits_through_the_server_equals_in_process(here, world, serve
     local = run("prefill", "a.txt", "-o", "q8-local.kv", "--model", str(world["model"]), "--kv-bits", "8", "--no-server", "--force")
     assert local.exit_code == 0, local.stderr
     a, b = kvcli.verify("q8.kv"), kvcli.verify("q8-local.kv")
-    assert a.quant == b.quant and a.quant["bits"] == 8 and [x.sha256 for x in a.layers] == [x.sha256 for x in b.layers]
+    assert a.quant == b.quant and a.quant["bits"] == 8 and [x.digest for x in a.layers] == [x.digest for x in b.layers]
     bad = raw_request(server.path, protocol.encode({"op": "prefill", "docs": [[str(here / "a.txt"), str(here / "x.kv")]], "kv_bits": 3}))
     assert bad[-1]["event"] == "fail" and "kv_bits" in bad[-1]["message"] and not (here / "x.kv").exists()
 

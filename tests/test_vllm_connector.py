@@ -33,7 +33,7 @@ def make_manifest(ids, *, layers=("full", "full"), windows=(None, None), dtype="
         raw = mf.DTYPE_SIZES[dtype] * (ks[0] * ks[1] * ks[2] * ks[3] + vs[0] * vs[1] * vs[2] * vs[3])
         entries.append(mf.LayerEntry(index=i, kind=k, cached_length=cached, seq_length=n, sliding_window=w,
                                      file=mf.shard_name(i), key_shape=ks, value_shape=vs, raw_bytes=raw,
-                                     decoded_bytes=raw + 200, stored_bytes=100, sha256=H))
+                                     decoded_bytes=raw + 200, stored_bytes=100, digest=H))
     compression = {"codec": "zstd", "level": 3, "transform": "none" if quant else "byteplane"}
     if quant:
         compression["quant"] = quant

@@ -158,7 +158,7 @@ def prefill(
         entries = write_layers(tmp, states, len(ids), transform=compression["transform"], level=level,
                                quant=compression.get("quant"))
         manifest = mf.Manifest(
-            format_version=mf.QUANT_FORMAT_VERSION if kv_bits is not None else mf.FORMAT_VERSION,
+            format_version=mf.FORMAT_VERSION,
             kvcli_version=__version__,
             transformers_version=_transformers_version(),
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -216,7 +216,7 @@ def write_layers(directory: Path, states: list[layers.LayerState], num_tokens: i
             raw_bytes=enc.raw_bytes,
             decoded_bytes=enc.decoded_bytes,
             stored_bytes=len(enc.data),
-            sha256=shard_digest(enc.data),
+            digest=shard_digest(enc.data),  # format 3: BLAKE3 (store.SHARD_HASH)
         )
 
     with ThreadPoolExecutor(max_workers=min(len(states), os.cpu_count() or 2)) as pool:

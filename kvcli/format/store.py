@@ -29,14 +29,14 @@ class OpenedCache:
     shards: list[int]  # file descriptors, one per layer, in layer order
 
     def read_shard(self, i: int) -> bytes:
-        """The stored bytes of layer i, checked against the manifest's size and sha256."""
+        """The stored bytes of layer i, checked against the manifest's size and digest."""
         entry = self.manifest.layers[i]
         where = f"{self.path / entry.file}"
         _check_size(self.shards[i], entry, where)  # before reading: an extended shard is never read into memory
         data = _read_fd(self.shards[i], entry.stored_bytes + 1)
         if len(data) != entry.stored_bytes:
             raise _size_error(where, len(data), entry)
-        if shard_digest(data) != entry.sha256:
+        if shard_digest(data, self.manifest.shard_hash) != entry.digest:
             raise _damaged(where)
         return data
 
@@ -47,7 +47,7 @@ class OpenedCache:
         entry = self.manifest.layers[i]
         where = f"{self.path / entry.file}"
         _check_size(self.shards[i], entry, where)
-        return ShardStream(self.shards[i], where, entry.stored_bytes, entry.sha256)
+        return ShardStream(self.shards[i], where, entry.stored_bytes, entry.digest, self.manifest.shard_hash)
 
     def close(self) -> None:
         for fd in self.shards:
@@ -61,12 +61,23 @@ class OpenedCache:
         self.close()
 
 
-SHARD_HASH = "sha256"  # the one hash of shards' stored bytes (manifest field "sha256"; written in engine/prefilling.py)
+SHARD_HASH = mf.SHARD_HASHES[mf.FORMAT_VERSION]  # the hash new caches' shards get (engine/prefilling.py)
 STREAM_CHUNK = payload.SOURCE_READ  # bytes per read when streaming a shard: hashed and decompressed while in cache
 
 
-def shard_digest(data: bytes | memoryview) -> str:
-    return hashlib.new(SHARD_HASH, data).hexdigest()
+def hasher(name: str = SHARD_HASH):
+    """A fresh hash object (update, hexdigest) for shard bytes: "blake3" (the blake3 package) or "sha256"."""
+    if name == "blake3":
+        from blake3 import blake3
+
+        return blake3()  # one thread: restore already hashes one shard per core
+    return hashlib.new(name)
+
+
+def shard_digest(data: bytes | memoryview, name: str = SHARD_HASH) -> str:
+    h = hasher(name)
+    h.update(data)
+    return h.hexdigest()
 
 
 def _size_error(where: str, size: int, entry: mf.LayerEntry) -> CacheCorruptError:
@@ -91,9 +102,9 @@ class ShardStream:
     left unread and raises CacheCorruptError (naming the file) unless size and hash match the manifest.
     """
 
-    def __init__(self, fd: int, where: str, size: int, digest: str):
+    def __init__(self, fd: int, where: str, size: int, digest: str, hash_name: str = SHARD_HASH):
         self.fd, self.where, self.size, self.digest = fd, where, size, digest
-        self.pos, self._hash, self._head = 0, hashlib.new(SHARD_HASH), b""
+        self.pos, self._hash, self._head = 0, hasher(hash_name), b""
 
     def _next(self, n: int) -> bytes:
         n = min(n, self.size - self.pos)

@@ -73,7 +73,8 @@ def fetch(url: str, progress: Callable[[str], None] | None = None,
     try:
         with writing.atomic_cache_dir(local, force=local.exists()) as tmp:
             for entry in m.layers:
-                _download(fs, objects.join(base, entry.file), tmp / entry.file, entry, objects.join(where, entry.file))
+                _download(fs, objects.join(base, entry.file), tmp / entry.file, entry, objects.join(where, entry.file),
+                          m.shard_hash)
             writing.write_file(tmp, mf.MANIFEST_NAME, raw)
     except CacheExistsError:  # another process stored the same cache meanwhile
         if not _complete(local, m):
@@ -101,9 +102,9 @@ def _open_exact(fs, remote: str):
         return fs.open(remote, "rb")
 
 
-def _download(fs, remote: str, dest: Path, entry: mf.LayerEntry, where: str) -> None:
-    """Stream one shard to `dest`, refusing it (exit 3) unless its size and sha256 match the manifest."""
-    digest, got = hashlib.sha256(), 0
+def _download(fs, remote: str, dest: Path, entry: mf.LayerEntry, where: str, hash_name: str) -> None:
+    """Stream one shard to `dest`, refusing it (exit 3) unless its size and digest match the manifest."""
+    digest, got = store.hasher(hash_name), 0
     with objects.failures(where, CacheCorruptError, "shard is missing"), _open_exact(fs, remote) as src, open(dest, "xb") as out:
         while got <= entry.stored_bytes:
             chunk = src.read(min(_CHUNK, entry.stored_bytes + 1 - got))  # one byte past the size tells a longer shard
@@ -119,7 +120,7 @@ def _download(fs, remote: str, dest: Path, entry: mf.LayerEntry, where: str) -> 
     if got != entry.stored_bytes:
         size = f"more than {entry.stored_bytes}" if got > entry.stored_bytes else f"{got}"
         raise CacheCorruptError(f"{where}: {size} bytes in the store, manifest says {entry.stored_bytes}")
-    if digest.hexdigest() != entry.sha256:
+    if digest.hexdigest() != entry.digest:
         raise CacheCorruptError(f"{where}: checksum mismatch (the shard in the object store is damaged or was changed)")
 
 

@@ -8,7 +8,6 @@ every URL it prints.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import tempfile
 from contextlib import contextmanager
@@ -141,7 +140,7 @@ def upload(local: Path, url: str, *, force: bool) -> None:
 
 def verify(url: str) -> mf.Manifest:
     """Check the cache as it is in the store (not a local copy): manifest, then every shard's size,
-    sha256 and decoded layout, one shard in memory at a time. Raises CacheError naming the first bad file."""
+    digest and decoded layout, one shard in memory at a time. Raises CacheError naming the first bad file."""
     from ..errors import CacheCorruptError
     from ..format import store
 
@@ -153,7 +152,7 @@ def verify(url: str) -> mf.Manifest:
             data = f.read(entry.stored_bytes + 1)
         if len(data) != entry.stored_bytes:
             raise CacheCorruptError(f"{where}: {len(data)} bytes in the store, manifest says {entry.stored_bytes} (truncated or extended)")
-        if hashlib.sha256(data).hexdigest() != entry.sha256:
+        if store.shard_digest(data, m.shard_hash) != entry.digest:
             raise CacheCorruptError(f"{where}: checksum mismatch (the shard in the object store is damaged or was changed)")
         store.check_payload(data, where=where, transform=m.transform, dtype=m.dtype, key_shape=entry.key_shape,
                             value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes, quant=m.quant)
