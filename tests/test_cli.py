@@ -227,8 +227,9 @@ def test_info_json(cache_dir):
     for key in ("format_version", "model", "num_tokens", "num_layers", "dtype", "bytes_on_disk", "bytes_raw"):
         assert key in info
     assert info["dtype"] == "float32" and info["num_layers"] == 2 and info["bytes_on_disk"] < info["bytes_raw"]
+    assert (info["format_version"], info["shard_hash"]) == (3, "blake3")
     human = run("info", cache_dir)
-    assert human.exit_code == 0 and "layer" in human.stdout
+    assert human.exit_code == 0 and "layer" in human.stdout and "3, shards checked with blake3" in human.stdout
 
 
 def test_usage_error_exit_2(cache_dir):

@@ -51,6 +51,7 @@ def info(
                                     else f"transformers {s['transformers_version']} (torch, device, attention not recorded)"))
     head.add_row("weights", Text(catalog.describe_weights(m)))
     head.add_row("storage", Text(catalog.describe_storage(m)))
+    head.add_row("format", Text(f"{s['format_version']}, shards checked with {s['shard_hash']}"))
     out.table(head)
     table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")
     for row in catalog.layer_rows(m):
