@@ -242,6 +242,20 @@ def test_new_caches_hash_shards_with_blake3_and_sha256_caches_still_read(tiny_lm
         store.verify(path)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_verify_reports_the_first_bad_shard_in_layer_order_with_any_thread_count(tiny_lm, doc, tmp_path, threads):
+    path = tmp_path / "doc.kv"
+    prefill(tiny_lm, doc, path)
+    assert store.verify(path, threads=threads).num_tokens > 0
+    for name in ("layer_001.safetensors.zst", "layer_000.safetensors.zst"):  # the later layer's first: order decides
+        shard = path / name
+        data = bytearray(shard.read_bytes())
+        data[-5] ^= 0x10
+        shard.write_bytes(bytes(data))
+        with pytest.raises(CacheCorruptError, match=f"{name}: checksum mismatch"):
+            store.verify(path, threads=threads)
+
+
 def test_damaged_shard_is_reported_by_its_checksum(tiny_lm, doc, tmp_path):
     path = tmp_path / "doc.kv"
     prefill(tiny_lm, doc, path)
