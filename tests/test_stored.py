@@ -117,6 +117,24 @@ def test_q4_check_reports_its_agreement_as_approximate(q4_lm, q4_cache):
     assert answer.answer_token_ids[0] == reference_answer(q4_lm.model, answer.prompt_token_ids, 1)[0]
 
 
+def test_q4_questions_batch_under_bfloat16s_tolerance_and_stay_close_to_a_recompute(q4_lm, q4_cache):
+    """A q4 model's linears compute in bfloat16, so its batching probe allows bfloat16's rounding (float32's
+    found rows 0.44 off and decoded them one at a time, 2.3x slower for 8 questions); a row that missed the
+    document or another row's tokens would still be off by whole units. Batched answers are approximate like
+    every q4 answer: --check measures them."""
+    from kvcli.engine.scheduling import probe
+
+    assert stored.linear_dtype(q4_lm.model) == torch.bfloat16
+    found = probe.probe(q4_lm.model)
+    assert found.ok and 0 < found.max_diff < 3, found.reason
+    assert "bfloat16" in found.reason
+    questions = [QUESTION, "Who may grant a patent license?", "What is a Contribution?"]
+    answers = kvcli.Session(q4_lm, q4_cache).ask_many(questions, kvcli.GenerationOptions(max_new_tokens=16), check=True)
+    assert {a.decoding for a in answers} == {"batched"}
+    for a in answers:  # measured on the whole sample (8 questions, 64 tokens): agreement 0.969-1.0, mean KL 0.00085
+        assert a.check.weights == "q4" and a.check.agreement >= 0.8 and a.check.kl_mean < 0.05, a.check.describe()
+
+
 def test_caches_of_one_arithmetic_are_refused_by_the_other(q4_lm, q4_cache, default_lm, short_document, tmp_path):
     with pytest.raises(CacheMismatchError, match="weights .cache q4, model float"):
         kvcli.Session(default_lm, q4_cache)

@@ -175,6 +175,11 @@ def prepared_blocks(model: Any, gguf_path: Path, folder: Path) -> dict[str, torc
     return blocks
 
 
+def linear_dtype(model: Any) -> torch.dtype:
+    """The dtype the model's linear layers compute in: bfloat16 once use_q4 has packed them, else the model's."""
+    return torch.bfloat16 if any(isinstance(m, Q4Linear) for m in model.modules()) else model.dtype
+
+
 def check_mode(mode: str, source: dict[str, Any], device: str) -> None:
     """Refuse (ModelError) a weights mode this model or device cannot run, before any weight is read."""
     if mode not in MODES:
