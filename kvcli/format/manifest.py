@@ -71,6 +71,13 @@ class LayerEntry:
     stored_bytes: int
     digest: str  # hex digest of the stored bytes, with the manifest's shard_hash (manifest key: that hash's name)
 
+    def to_json(self, shard_hash: str) -> dict[str, Any]:
+        """The layer's manifest entry, its digest under the key of the manifest's shard hash."""
+        body = asdict(self)
+        body[shard_hash] = body.pop("digest")
+        body["key_shape"], body["value_shape"] = list(self.key_shape), list(self.value_shape)
+        return body
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -130,10 +137,7 @@ class Manifest:
         body = {"format": FORMAT_NAME, **asdict(self)}
         if body["provenance"] is None:
             del body["provenance"]  # an older manifest re-serialised keeps its checksum
-        for layer in body["layers"]:
-            layer[self.shard_hash] = layer.pop("digest")
-            layer["key_shape"] = list(layer["key_shape"])
-            layer["value_shape"] = list(layer["value_shape"])
+        body["layers"] = [layer.to_json(self.shard_hash) for layer in self.layers]
         body["manifest_sha256"] = checksum(body)
         return body
 
