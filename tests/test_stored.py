@@ -128,8 +128,8 @@ def test_q4_questions_batch_under_bfloat16s_tolerance_and_stay_close_to_a_recomp
     found = probe.probe(q4_lm.model)
     assert found.ok and 0 < found.max_diff < 3, found.reason
     assert "bfloat16" in found.reason
-    questions = [QUESTION, "Who may grant a patent license?", "What is a Contribution?"]
-    answers = kvcli.Session(q4_lm, q4_cache).ask_many(questions, kvcli.GenerationOptions(max_new_tokens=16), check=True)
+    questions = [QUESTION, "Who may grant a patent license?"]  # each check recomputes the document: two are enough
+    answers = kvcli.Session(q4_lm, q4_cache).ask_many(questions, kvcli.GenerationOptions(max_new_tokens=12), check=True)
     assert {a.decoding for a in answers} == {"batched"}
     for a in answers:  # measured on the whole sample (8 questions, 64 tokens): agreement 0.969-1.0, mean KL 0.00085
         assert a.check.weights == "q4" and a.check.agreement >= 0.8 and a.check.kl_mean < 0.05, a.check.describe()
