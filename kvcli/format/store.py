@@ -275,7 +275,7 @@ def verify(path: str | os.PathLike, *, decode: bool = True, threads: int | None 
                               key_shape=entry.key_shape, value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes,
                               quant=m.quant)
 
-        workers = threads or (1 if max(e.stored_bytes for e in m.layers) > PARALLEL_VERIFY_MAX else min(_cores(), 8))
+        workers = threads or (1 if max(e.stored_bytes for e in m.layers) > PARALLEL_VERIFY_MAX else min(usable_cores(), 8))
         with ThreadPoolExecutor(max_workers=max(1, min(len(m.layers), workers))) as pool:
             futures = [pool.submit(one, i) for i in range(len(m.layers))]
             try:
@@ -290,7 +290,8 @@ def verify(path: str | os.PathLike, *, decode: bool = True, threads: int | None 
 PARALLEL_VERIFY_MAX = 256 << 20  # stored bytes of the largest shard up to which verify holds one shard per thread
 
 
-def _cores() -> int:
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity where the OS has one)."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -10,7 +9,7 @@ from . import layers
 from .kvcache import GROW_STEP, FullLayer, KVCache, SlidingLayer
 from ...errors import CacheCorruptError
 from ...format.codec import DTYPES, decode_layer
-from ...format.store import OpenedCache
+from ...format.store import OpenedCache, usable_cores
 
 QUESTION_TOKENS = GROW_STEP  # room for a question (its framing included) ...
 ANSWER_TOKENS = 256  # ... plus an answer of the default --max-new-tokens (engine/decoding/request.py)
@@ -62,11 +61,7 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
 def default_threads(layers: int) -> int:
     """Restore threads: one per core this process may use (at least 2, so one decodes while another waits on a
     read or the GIL), never more than there are layers."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 2
-    return max(1, min(layers, max(2, cores)))
+    return max(1, min(layers, max(2, usable_cores())))
 
 
 def load_states(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threads: int | None = None,
