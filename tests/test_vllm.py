@@ -128,7 +128,9 @@ def _vllm(cfg: dict, root: Path, name: str) -> dict:
     cfg_path, out_path = root / f"{name}.json", root / f"{name}-out.json"
     cfg_path.write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="2", TRANSFORMERS_VERBOSITY="error")
+    # the engine core and its one worker in this process (vLLM's uni executor): each extra process imported vLLM
+    # and torch again, about 27 s apiece here; tests/bench_vllm.py keeps vLLM's default processes
+    env.update(VLLM_CPU_KVCACHE_SPACE="2", TRANSFORMERS_VERBOSITY="error", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     r = subprocess.run([VLLM_PYTHON, str(RUNNER), str(cfg_path), str(out_path)], capture_output=True, text=True,
                        timeout=TIMEOUT, env=env, cwd=root)
     (root / f"{name}.log").write_text(r.stdout + r.stderr)
