@@ -7,6 +7,7 @@ batch: engine/decoding/batch.py; one row at a time where the batched path was no
 then hands one turn to other work waiting for the model (a prefill chunk, a --check recompute). So a
 long prefill pauses running answers for one chunk at a time, a new question joins at the next step, and
 an asker that leaves (cancelled, an exception in its callbacks, Ctrl-C) takes its rows out at the next step.
+A thread that waits while another computes gives back its OpenMP workers first (openmp.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from ..decoding import batch, questions as qs
 from ..decoding.request import DEFAULT_BATCH as DEFAULT_WIDTH
 from ..decoding.lone import LoneFirstDecoder
 from ..decoding.solo import SoloDecoder
+from . import openmp
+
 POLL_S = 0.05  # how often a waiting asker checks whether it is still wanted
 
 
@@ -115,6 +118,7 @@ class Engine:
             yield
         finally:
             self._inside.held = False
+            openmp.release()  # before the engine steps again
             t.done.set()
 
     def ask(self, session: Any, texts: Sequence[str], options: Any, *, history: Sequence[Any] = (),
@@ -144,6 +148,7 @@ class Engine:
                 if new:  # together: questions asked at once join the batch in one step
                     self._submit(session, new, events, limit)
                     mine.update((q.row.index, q) for q in new)
+                    openmp.release()  # this thread waits now; the engine thread computes
                 if cancelled and time.monotonic() >= next_check:
                     if cancelled():
                         raise Left()
@@ -243,6 +248,9 @@ class Engine:
         self._inside.held = True
         while True:
             with self._cv:
+                if not (self._incoming or self._leaving or self._turns or self._closed
+                        or any(d.busy for _s, d in self._decoders.values())):
+                    openmp.release()  # idle: whoever computes next (a prefill, a restore) has the cores
                 while not (self._incoming or self._leaving or self._turns or self._closed
                            or any(d.busy for _s, d in self._decoders.values())):
                     self._cv.wait()
@@ -253,6 +261,7 @@ class Engine:
             for session, decoder in work:
                 self._step(session, decoder)
             if turn is not None:
+                openmp.release()  # the turn's thread computes while this one waits
                 turn.granted.set()
                 turn.done.wait()
 
