@@ -4,12 +4,12 @@ OpenMP runtimes keep a pool of worker threads for every thread that has run a pa
 kernels, MKL). libgomp (torch's on Linux) spins idle workers between regions only while the pools hold
 no more threads than there are CPUs; one pool more (the asker's, beside the engine thread's) and every
 worker sleeps between regions, so each of a decoding step's ~1,000 small parallel kernels pays a
-wake-up. Measured here (2 cores): a q4 decode step in the engine thread took 141-160 ms with the asking
-thread's pool alive, 84-90 ms once it was given back, 81-85 ms in the main thread alone
-(tests/bench_handoff.py). So the engine thread gives back its pool before it waits (idle, or while
+wake-up. Measured here (2 cores, tests/bench_handoff.py): q4 decoding in the engine thread took 107.9 ms
+a token with the asking thread's pool alive, 79.3 once it was given back, 76.3 in the main thread alone. So the engine thread gives back its pool before it waits (idle, or while
 another thread takes a turn), and an asker gives back its own once its questions are with the engine
 (engine/scheduling/scheduler.py), through OpenMP 5.0's omp_pause_resource_all (soft): the next parallel
-region in that thread builds a fresh pool. Without an OpenMP runtime loaded it does nothing.
+region in that thread builds a fresh pool. Without libgomp loaded (another OpenMP runtime, or none) it
+does nothing.
 """
 
 from __future__ import annotations
@@ -20,27 +20,43 @@ import sys
 import threading
 
 PAUSE_SOFT = 1  # omp_pause_soft: the pool's threads end, the runtime stays initialised
-LIBRARIES = ("libgomp.so.1", "libiomp5.so", "libomp.so", "libomp.dylib", "libiomp5.dylib")
+SONAME = "libgomp.so.1"
 _lock = threading.Lock()
-_pause = None  # omp_pause_resource_all of the runtime torch loaded, False when there is none
+_pauses: list | None = None  # omp_pause_resource_all of every libgomp in this process
 
 
-def _runtime():
-    """omp_pause_resource_all of the OpenMP runtime already in this process (never loads one), else False."""
-    global _pause
+def _loaded_libgomps() -> list[str]:
+    """Paths of the libgomp copies mapped into this process (a wheel may ship one under another name)."""
+    found: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if os.path.basename(path).startswith("libgomp") and ".so" in path and path not in found:
+                    found.append(path)
+    except OSError:  # no /proc: ask the loader for the usual name
+        pass
+    return found or [SONAME]
+
+
+def _runtime() -> list:
+    """omp_pause_resource_all of each libgomp already loaded (never loads one); empty if none.
+
+    Only libgomp: its pause gives back the calling thread's pool alone, which is what was measured and
+    is safe while other threads compute. LLVM's libomp and Intel's pause the whole runtime."""
+    global _pauses
     with _lock:
-        if _pause is None:
-            _pause = False
-            for name in LIBRARIES:
+        if _pauses is None:
+            _pauses = []
+            for name in _loaded_libgomps():
                 try:
-                    lib = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
-                    fn = lib.omp_pause_resource_all
-                except (OSError, AttributeError):
+                    fn = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL).omp_pause_resource_all
+                except (OSError, AttributeError):  # not loaded, or too old for OpenMP 5.0
                     continue
                 fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-                _pause = fn
-                break
-        return _pause
+                _pauses.append(fn)
+        return _pauses
 
 
 def release() -> bool:
@@ -48,7 +64,5 @@ def release() -> bool:
     True if the runtime did; False without a runtime, or inside a parallel region (the runtime refuses)."""
     if "torch" not in sys.modules:  # no torch, no parallel region has run in this process
         return False
-    fn = _runtime()
-    if not fn:
-        return False
-    return fn(PAUSE_SOFT) == 0  # microseconds when this thread holds no pool
+    pauses = _runtime()
+    return bool(pauses) and all(fn(PAUSE_SOFT) == 0 for fn in pauses)  # microseconds when this thread holds no pool
