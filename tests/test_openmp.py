@@ -8,6 +8,7 @@ thread, and that the engine's asker and the engine thread both give theirs back 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -67,7 +68,7 @@ def test_release_ends_this_threads_workers_and_kernels_still_compute():
 
 
 def test_release_is_a_no_op_before_torch_is_imported(monkeypatch):
-    monkeypatch.delitem(__import__("sys").modules, "torch")
+    monkeypatch.delitem(sys.modules, "torch")
     assert openmp.release() is False
 
 

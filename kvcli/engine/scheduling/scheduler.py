@@ -248,11 +248,9 @@ class Engine:
         self._inside.held = True
         while True:
             with self._cv:
-                if not (self._incoming or self._leaving or self._turns or self._closed
-                        or any(d.busy for _s, d in self._decoders.values())):
+                if not self._has_work():
                     openmp.release()  # idle: whoever computes next (a prefill, a restore) has the cores
-                while not (self._incoming or self._leaving or self._turns or self._closed
-                           or any(d.busy for _s, d in self._decoders.values())):
+                while not self._has_work():
                     self._cv.wait()
                 if self._closed:
                     self._stop_all()
@@ -264,6 +262,11 @@ class Engine:
                 openmp.release()  # the turn's thread computes while this one waits
                 turn.granted.set()
                 turn.done.wait()
+
+    def _has_work(self) -> bool:
+        """Under _cv: anything for the engine thread to do (rows in or out, a turn, rows to step, closing)."""
+        return bool(self._incoming or self._leaving or self._turns or self._closed
+                    or any(d.busy for _s, d in self._decoders.values()))
 
     def _step(self, session: Any, decoder: Any) -> None:
         try:
