@@ -64,3 +64,28 @@ def test_selection_is_per_model(tokenizer):
     kvcli.from_objects(chosen, tokenizer)
     assert chosen.config._attn_implementation == attention.NAME
     assert other.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("window", [None, 10**6, 30])
+def test_document_part_of_batched_attention_is_the_softmax_over_the_document(window):
+    """Both ways the cascade attends to the shared document (torch's flash kernel when no window or softcap
+    applies, plain products otherwise) give softmax(q k^T) v as float64 computes it, and its log-sum-exp."""
+    from kvcli.engine.cache.shared import SharedPrefixLayer, Step
+
+    g = torch.Generator().manual_seed(5)
+    kv_heads, cached, dim, rows, rep = 2, 50, 8, 3, 2
+    keys = torch.randn(1, kv_heads, cached + 7, dim, generator=g)[:, :, :cached]  # a view with room after, as restored
+    values = torch.randn(1, kv_heads, cached + 7, dim, generator=g)[:, :, :cached]
+    layer = SharedPrefixLayer(keys, values, cached, window, rows, 4)
+    layer.step = Step(torch.arange(rows), torch.tensor([0, 2, 1]), None, 1)
+    slots = layer.step.offsets[:, None]  # [rows, q=1]
+    qp = torch.randn(kv_heads, rows * rep, dim, generator=g)
+    o, m, s = attention._document_part(layer, qp, torch.float32, None, slots)
+    assert bool((s == 1).all()) == (window is None)  # the flash kernel's output comes normalized
+    scores = qp.double() @ keys[0].double().transpose(-1, -2)  # [kv_heads, rows*rep, cached]
+    if window is not None:  # a row's query sits at position cached + slot and sees keys less than `window` before it
+        pos = (cached + slots.repeat_interleave(rep, 0))[None, :, :]  # [1, rows*rep, 1]
+        scores = scores.masked_fill((pos - torch.arange(cached)) >= window, float("-inf"))
+    want = torch.softmax(scores, -1) @ values[0].double()
+    assert torch.allclose((o / s).double(), want, atol=1e-6)
+    assert torch.allclose((m + s.log()).double(), torch.logsumexp(scores, -1, keepdim=True), atol=1e-5)

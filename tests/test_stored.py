@@ -67,6 +67,23 @@ def test_q4_linear_rows_do_not_depend_on_each_other():
         assert torch.equal(layer(x[a:b]), whole[a:b]), (a, b)
 
 
+def test_output_layer_multiplies_many_rows_in_float32_as_bfloat16_would():
+    """From Bf16Linear.WIDE rows on, the output layer multiplies the same bfloat16 values in float32 (faster for
+    batched questions): each row's result is the one-row bfloat16 kernel's, but for a rare last bit."""
+    g = torch.Generator().manual_seed(3)
+    layer = stored.Bf16Linear(torch.randn(300, 96, generator=g), torch.randn(300, generator=g))
+    x = torch.randn(2, 4, 96, generator=g)  # 8 rows
+    alone = torch.cat([layer(x.reshape(8, 96)[i : i + 1]) for i in range(8)]).view(2, 4, 300)
+    assert layer._wide is None  # one row at a time never made the float32 copy
+    together = layer(x)
+    assert layer._wide is not None and together.shape == (2, 4, 300) and together.dtype == torch.float32
+    ulp = 2.0 ** (torch.floor(torch.log2(alone.abs().clamp_min(1e-30))) - 7)  # bfloat16's spacing at each value
+    assert bool(((together - alone).abs() <= ulp).all())
+    assert (together != alone).float().mean() < 0.02
+    ref = x.to(torch.bfloat16).double() @ layer.weight.double().t() + layer.bias.double()
+    assert torch.allclose(together.double(), ref, rtol=1e-2, atol=1e-2)
+
+
 @pytest.fixture(scope="module")
 def q4_lm(session_home):
     old = os.environ.get("KVCLI_HOME")
