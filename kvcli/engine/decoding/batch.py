@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..model import attention
+from ..model.linear import weight_first, weight_first_helps
 from ..cache.shared import GROW_TOKENS, SharedPrefixCache, Step
 from ...errors import CacheCorruptError
 
@@ -63,6 +64,7 @@ class Decoder:
         self.last_rows = 0  # rows in the latest forward pass
         # the lm head runs only where a next token is needed (a joining row's last id), if the model allows
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.weight_first = weight_first_helps(model)  # float32 linear layers on the CPU: engine/model/linear.py
 
     @property
     def busy(self) -> bool:
@@ -88,7 +90,7 @@ class Decoder:
         cache.begin(Step(torch.tensor([r.slot for r in batch], device=self.device), offsets, uniform, q))
         positions = self.cached_length + offsets[:, None] + torch.arange(q, device=self.device)[None, :]  # [active, q]
         extra = {"logits_to_keep": last} if last is not None and self.keeps_logits else {}
-        with attention.sharing(cache):  # kvcli's attention functions read the shared document from here
+        with attention.sharing(cache), weight_first(self.weight_first):  # attention reads the document from `cache`
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=self.mask, cache=cache, use_cache=True,
                              **extra)
         if last is not None and not extra:
