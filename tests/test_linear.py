@@ -66,6 +66,7 @@ def test_batched_forwards_run_in_the_mode(tokenizer, tmp_path, monkeypatch):
     real = batch.weight_first
     monkeypatch.setattr(batch, "weight_first", lambda enabled=True: seen.append(enabled) or real(enabled))
     opts = kvcli.GenerationOptions(max_new_tokens=4)
-    many = session.ask_many(["Who?", "What is a Licensor?"], opts, batch_size=2)
+    questions = ["Who?", "What is a Licensor?"]
+    many = session.ask_many(questions, opts, batch_size=2)
     assert seen and all(seen)
-    assert [a.answer_token_ids for a in many] == [session.ask(q, opts).answer_token_ids for q in ("Who?", "What is a Licensor?")]
+    assert [a.answer_token_ids for a in many] == [session.ask(q, opts).answer_token_ids for q in questions]

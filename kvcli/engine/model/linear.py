@@ -28,12 +28,17 @@ class WeightFirst(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.dim() == 2
                     and x.dim() >= 2 and x.numel() > x.shape[-1]):
-                rows = x.reshape(-1, x.shape[-1])  # [n, in]
-                y = torch.mm(weight, rows.T).T.contiguous()  # [n, out], computed with the weight's rows outermost
-                if bias is not None:
-                    y = y + bias
-                return y.reshape(*x.shape[:-1], weight.shape[0])
+                return weight_first_product(x, weight, bias)
         return func(*args, **kwargs)
+
+
+def weight_first_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] W^T (+ bias) -> [..., out], computed as mm(W, x^T) (the weight's rows outermost), contiguous."""
+    rows = x.reshape(-1, x.shape[-1])  # [n, in]
+    y = torch.mm(weight, rows.T).T.contiguous()  # [n, out], laid out as linear's (OPT's rows came out NaN otherwise)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def weight_first(enabled: bool = True) -> WeightFirst | nullcontext:

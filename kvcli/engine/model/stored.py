@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ...errors import ModelError
+from .linear import weight_first_product
 
 MODES = ("float", "q4")
 GROUP = 32  # weights per Q4_1 block: one scale and one minimum each
@@ -81,9 +82,7 @@ class Bf16Linear(torch.nn.Module):
         else:
             if self._wide is None:
                 self._wide = (self.weight.float(), None if self.bias is None else self.bias.float())
-            weight, bias = self._wide
-            y = torch.mm(weight, rows.float().T).T  # [n, out]: the weight's rows outermost, as MKL runs them fastest
-            y = (y + bias if bias is not None else y).to(torch.bfloat16)
+            y = weight_first_product(rows.float(), *self._wide).to(torch.bfloat16)  # [n, out]
         return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
