@@ -1,10 +1,11 @@
 """Linear layers of a batched decoding step multiplied weight-first: W [out, in] @ x^T, for a few float32 rows.
 
 torch's `linear` of a few rows (x @ W^T) ran 1.5-2.5x slower than the same product with the weight as the
-left operand on this project's AVX2 CPU through MKL (8 rows of SmolLM2's 30 layers: 116 against 62 ms, its
-output layer 47 against 19 ms; tests/bench_batch.py). Only the batch's forward passes (engine/decoding/batch.py)
-run inside weight_first(): one question's forward keeps torch's own kernel, which gives every row the bits a
-recompute gives it, while batched rows are held to float32's rounding anyway (engine/scheduling/probe.py).
+left operand on this project's AVX2 CPU through MKL (8 rows of SmolLM2's 30 layers: 110-116 against 62-75 ms,
+its output layer 47 against 19 ms; docs/performance.md, "Batched steps"). Only the batch's forward passes
+(engine/decoding/batch.py) run inside weight_first(): one question's forward keeps torch's own kernel, which
+gives every row the bits a recompute gives it, while batched rows are held to float32's rounding anyway
+(engine/scheduling/probe.py).
 """
 
 from __future__ import annotations

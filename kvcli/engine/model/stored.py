@@ -3,8 +3,8 @@
 Every linear layer whose GGUF tensor is Q4_1 runs through torch's packed int4 matmul for the CPU
 (`_weight_int4pack_mm_for_cpu`, the kernel torchao and gpt-fast use) on the file's own 4-bit codes, with
 bfloat16 activations and scales (the kernel's fast path takes only bfloat16); the output layer runs on
-bfloat16 values (Bf16Linear). The linear layers then read about a sixth of their float32 bytes (4 bits a weight, plus a
-bfloat16 scale and zero per 32).
+bfloat16 values (Bf16Linear). The linear layers then read about a sixth of their float32 bytes (4 bits a
+weight, plus a bfloat16 scale and zero per 32).
 
 This path is approximate, and says so. Its answers are those of its own arithmetic, not of the float32 path;
 and they are not token-exact against a recompute on the same path either: torch's CPU attention gives the
