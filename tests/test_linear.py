@@ -48,6 +48,10 @@ def test_one_row_other_dtypes_and_a_disabled_mode_keep_torchs_linear():
             y = module(x)
         assert calls.names.count("linear") == 1 and "mm" not in calls.names
         assert torch.equal(y, torch.nn.functional.linear(x, module.weight, module.bias))
+    layer, x = torch.nn.Linear(48, 80), torch.randn(3, 48)  # input and weight given by keyword: passed on as they are
+    with torch.inference_mode(), linear.weight_first():
+        y = torch.nn.functional.linear(input=x, weight=layer.weight, bias=layer.bias)
+    assert torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
 def test_only_models_with_float32_linear_layers_use_it(tokenizer):

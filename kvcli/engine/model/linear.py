@@ -24,7 +24,7 @@ class WeightFirst(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is _LINEAR:
+        if func is _LINEAR and len(args) >= 2:  # linear(input, weight[, bias]) as nn.Linear calls it; keywords pass
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.dim() == 2
