@@ -6,7 +6,8 @@ import hashlib
 import re
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
 
 from .errors import DocumentError, UsageError
 
@@ -16,6 +17,9 @@ _WIDE = ("utf-16", "utf16", "utf-32", "utf32", "ucs-2", "ucs2", "ucs-4", "ucs4")
 _BINARY_CHARS = re.compile(r"[\x00-\x08\x0e-\x1a\x1c-\x1f\x7f]")
 _SNIFF = 65536
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Extensions a cache name replaces with .kv (notes.txt -> notes.kv); any other suffix is part of the name (MPL-2.0 -> MPL-2.0.kv).
+TEXT_EXTENSIONS = (".txt", ".text", ".md", ".markdown", ".rst", ".adoc", ".org", ".tex", ".html", ".htm", ".xml", ".json", ".jsonl",
+                   ".csv", ".tsv", ".log")
 
 
 @dataclass(frozen=True)
@@ -81,3 +85,13 @@ def check_encoding(encoding: str) -> None:
         codecs.lookup(encoding)
     except LookupError:
         raise UsageError(f"--encoding {encoding}: unknown encoding (for example utf-8, latin-1, utf-16, cp1252)") from None
+
+
+def cache_name(document: str) -> str:
+    """The file name of a document's cache (a path or URL): a known text extension replaced by .kv, any other
+    name kept whole (a/report.txt -> report.kv, MPL-2.0 -> MPL-2.0.kv, LGPL-2.1 -> LGPL-2.1.kv)."""
+    name = PurePosixPath(urlsplit(document).path if "://" in document else document).name or "document"
+    stem, dot, ext = name.rpartition(".")
+    if dot and stem and f".{ext.lower()}" in TEXT_EXTENSIONS:
+        name = stem
+    return name + ".kv"

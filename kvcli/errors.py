@@ -64,6 +64,10 @@ class CacheExistsError(KvcliError):
     exit_code = 1
 
 
+class CacheBusyError(CacheExistsError):
+    """Another prefill is writing this cache now."""
+
+
 class ServerError(KvcliError):
     """The warm server is absent when required, refused a request, or went away mid-answer."""
 

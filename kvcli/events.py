@@ -11,7 +11,7 @@ failed); begin {index, question, cache}; text {text}; answer {index, answer}; ch
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 from .errors import CHECK_DIFFERS_EXIT, KvcliError
@@ -98,46 +98,50 @@ def prefill_events(targets: Sequence[tuple[str, str]], *, open_model: Callable[[
         emit({"event": "error", "message": str(exc), "hint": exc.hint, "exit_code": exc.exit_code})
         failed.append(exc)
 
-    ready = []
-    for index, (doc, target) in enumerate(targets):
-        try:
-            check(target)
-            ready.append((index, read(doc), target))
-        except KvcliError as exc:
-            report(exc)
-    if ready and fits is not None:
-        fit = fits()  # a model that cannot be found or cached fails here, before any weights load
-        kept = []
-        for index, document, target in ready:
+    from .format import writing
+
+    with ExitStack() as locks:
+        ready = []
+        for index, (doc, target) in enumerate(targets):
             try:
-                fit(document)
-                kept.append((index, document, target))
+                check(target)
+                locks.enter_context(writing.writer_lock(target))  # held to the end: a second prefill of it is refused now
+                ready.append((index, read(doc), target))
             except KvcliError as exc:
                 report(exc)
-        ready = kept
-    if ready:
-        from .engine import prefilling as pf
-
-        prefill_options["chunk_size"] = prefill_options.get("chunk_size") or pf.DEFAULT_CHUNK
-        with open_model() as held:
+        if ready and fits is not None:
+            fit = fits()  # a model that cannot be found or cached fails here, before any weights load
+            kept = []
             for index, document, target in ready:
-                if cancelled and cancelled():
-                    from .engine.scheduling.scheduler import Left
-
-                    raise Left()
-                emit({"event": "begin", "index": index})
-                try:  # its chunks take turns with the answers running on this model (engine/scheduling/scheduler.py)
-                    r = pf.prefill(held.lm, document, target, **prefill_options,
-                                   progress=lambda done, total, i=index: emit({"event": "progress", "index": i, "done": done,
-                                                                               "total": total}))
+                try:
+                    fit(document)
+                    kept.append((index, document, target))
                 except KvcliError as exc:
                     report(exc)
-                    continue
-                held.served()
-                m = r.manifest
-                emit({"event": "prefilled", "index": index, "result": {
-                    "num_tokens": m.num_tokens, "compute_s": r.compute_s, "write_s": r.write_s,
-                    "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored, "storage": m.storage}})
+            ready = kept
+        if ready:
+            from .engine import prefilling as pf
+
+            prefill_options["chunk_size"] = prefill_options.get("chunk_size") or pf.DEFAULT_CHUNK
+            with open_model() as held:
+                for index, document, target in ready:
+                    if cancelled and cancelled():
+                        from .engine.scheduling.scheduler import Left
+
+                        raise Left()
+                    emit({"event": "begin", "index": index})
+                    try:  # its chunks take turns with the answers running on this model (engine/scheduling/scheduler.py)
+                        r = pf.prefill(held.lm, document, target, **prefill_options,
+                                       progress=lambda done, total, i=index: emit({"event": "progress", "index": i, "done": done,
+                                                                                   "total": total}))
+                    except KvcliError as exc:
+                        report(exc)
+                        continue
+                    held.served()
+                    m = r.manifest
+                    emit({"event": "prefilled", "index": index, "result": {
+                        "num_tokens": m.num_tokens, "compute_s": r.compute_s, "write_s": r.write_s,
+                        "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored, "storage": m.storage}})
     if failed:
         emit({"event": "error", "message": f"{len(failed)} of {len(targets)} documents failed", "hint": None, "exit_code": 1})
         return 1

@@ -353,3 +353,64 @@ def test_temporary_names_are_never_caches(world, tmp_path):
     # a stale folder whose process is gone is removed by the next prefill of that target
     prefill(w["lm"], read(w["doc_a"]), tmp_path / "doc.kv")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kv"]
+
+
+def _doc(tmp_path: Path) -> Path:
+    from tests.conftest import sample_text
+
+    doc = tmp_path / "same.txt"
+    doc.write_text(sample_text()[:1200], encoding="utf-8")
+    return doc
+
+
+def test_a_second_prefill_of_a_cache_being_written_is_refused_before_loading(tmp_path, tiny_model_dir, monkeypatch):
+    """Another writer holds the cache's lock (here a thread: any other thread or process counts): the second
+    prefill is refused at once, with the exit code of an existing cache, and loads no model."""
+    import threading
+
+    from kvcli.engine.model import models
+    from tests.helpers import assert_clean_error, run
+
+    doc, target = _doc(tmp_path), tmp_path / "same.kv"
+    holding, done = threading.Event(), threading.Event()
+
+    def writer():
+        with writing.writer_lock(target):
+            holding.set()
+            done.wait(60)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    holding.wait(60)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded for a refused prefill")
+
+    monkeypatch.setattr(models, "load", no_load)
+    try:
+        assert_clean_error(run("prefill", doc, "--model", tiny_model_dir, "--no-server"), 1, str(target), "another prefill")
+        assert_clean_error(run("prefill", doc, "--model", tiny_model_dir, "--no-server", "--force"), 1, "another prefill")
+    finally:
+        done.set()
+        thread.join()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["same.txt"]  # the lock went with its writer
+
+
+def test_a_killed_writers_lock_is_ignored_then_pruned(tmp_path, tiny_model_dir):
+    from tests.helpers import run
+
+    doc, target = _doc(tmp_path), tmp_path / "same.kv"
+    code = f"import os\nfrom kvcli.format import writing\nheld = writing.writer_lock({str(target)!r})\nheld.__enter__()\nos._exit(9)\n"
+    assert subprocess.run([sys.executable, "-c", code], env=env_with(), timeout=120).returncode == 9
+    assert writing.lock_path(target).exists()  # a killed writer leaves its lock file, no longer locked
+    result = run("prefill", doc, "--model", tiny_model_dir, "--no-server")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["same.kv", "same.txt"]
+    # prune removes such a lock file, and keeps one whose writer lives
+    other = tmp_path / "other.kv"
+    assert subprocess.run([sys.executable, "-c", code.replace(str(target), str(other))], env=env_with(), timeout=120).returncode == 9
+    with writing.writer_lock(tmp_path / "busy.kv"):
+        pruned = run("prune", tmp_path)
+        assert pruned.exit_code == 0, pruned.stderr
+        assert pruned.stdout.splitlines() == [str(writing.lock_path(other))]
+        assert writing.lock_path(tmp_path / "busy.kv").exists()

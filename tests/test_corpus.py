@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcli import documents
 from kvcli.engine import corpus
 from kvcli.errors import UsageError
 from kvcli.format import store
@@ -77,9 +78,11 @@ def test_shard_from_scheduler_environment():
 
 
 def test_cache_names_and_collisions(tmp_path):
-    assert corpus.cache_name("a/b/report.txt") == "report.kv"
-    assert corpus.cache_name("https://host/x/notes.md?v=2") == "notes.kv"
-    jobs = corpus.plan(["a/doc.txt", "b/doc.txt", "c/other.txt"], lambda e: corpus.LocalTarget(tmp_path / corpus.cache_name(e)))
+    assert documents.cache_name("a/b/report.txt") == "report.kv"
+    assert documents.cache_name("https://host/x/notes.md?v=2") == "notes.kv"
+    assert documents.cache_name("https://host/licences/MPL-2.0") == "MPL-2.0.kv" and documents.cache_name("a/LGPL-2.1") == "LGPL-2.1.kv"
+    assert documents.cache_name("REPORT.TXT") == "REPORT.kv" and documents.cache_name("archive.tar.gz") == "archive.tar.gz.kv"
+    jobs = corpus.plan(["a/doc.txt", "b/doc.txt", "c/other.txt"], lambda e: corpus.LocalTarget(tmp_path / documents.cache_name(e)))
     assert [bool(j.error) for j in jobs] == [True, True, False]
     assert "named by 2 documents" in jobs[0].error
 

@@ -147,6 +147,18 @@ def test_prefill_output_collision_is_refused_before_any_work(tmp_path, tiny_mode
     assert "both" in line and not out.exists()
 
 
+def test_cache_names_keep_every_dot_but_a_text_extension(tmp_path, tiny_model_dir):
+    for name in ("MPL-2.0", "LGPL-2", "LGPL-2.1", "notes.MD"):
+        (tmp_path / name).write_text(f"The licence called {name}, in a few words.", encoding="utf-8")
+    one = run("prefill", tmp_path / "MPL-2.0", "--model", tiny_model_dir)
+    assert one.exit_code == 0, one.stderr
+    several = run("prefill", tmp_path / "LGPL-2", tmp_path / "LGPL-2.1", tmp_path / "notes.MD", "--model", tiny_model_dir)
+    assert several.exit_code == 0, several.stderr
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == ["LGPL-2.1.kv", "LGPL-2.kv", "MPL-2.0.kv", "notes.kv"]
+    asked = run("ask", "--cache", tmp_path / "MPL-2.0.kv", "--model", tiny_model_dir, "--max-new-tokens", "2", "Which licence?")
+    assert asked.exit_code == 0, asked.stderr
+
+
 def test_output_folder_for_several_documents_is_created(tmp_path, tiny_model_dir, doc_file):
     other = tmp_path / "other.txt"
     other.write_text("A short document about ducks and ponds.", encoding="utf-8")

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import kvcli
+from kvcli import documents
 from kvcli.documents import decode
 from kvcli.engine.prompt import framing as fr
 from kvcli.engine.prefilling import prefill
@@ -219,13 +220,13 @@ def test_corpus_rerun_with_a_tokenizer_that_moves_the_cut_skips_everything(sp_to
     texts = {f"d{i}.txt": t for i, t in enumerate(DOCS)}
 
     def statuses(**options) -> list[str]:
-        jobs = corpus.plan(list(texts), lambda e: corpus.LocalTarget(tmp_path / corpus.cache_name(e)))
+        jobs = corpus.plan(list(texts), lambda e: corpus.LocalTarget(tmp_path / documents.cache_name(e)))
         results = list(corpus.run(lm, jobs, read=lambda e: decode(texts[e].encode(), e), chunk_size=64, **options))
         assert not [r.error for r in results if r.error], results
         return [r.status for r in results]
 
     assert statuses() == ["built"] * len(DOCS)
-    cut = [kvcli.read_manifest(tmp_path / corpus.cache_name(e)).framing for e in texts]
+    cut = [kvcli.read_manifest(tmp_path / documents.cache_name(e)).framing for e in texts]
     assert any(f["version"] == fr.FRAMING_VERSION_CUT for f in cut)  # the tokenizer moved the cut for some
     assert statuses() == ["skipped"] * len(DOCS)
     assert statuses(system="Be brief.") == ["built"] * len(DOCS)  # what decides the cache changed

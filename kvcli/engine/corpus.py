@@ -14,13 +14,12 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
-from urllib.parse import urlsplit
 
 from ..documents import Document
 from ..errors import CacheError, CacheExistsError, KvcliError, UsageError
-from ..format import manifest as mf, store
+from ..format import manifest as mf, store, writing
 from .prompt import framing as fr
 from . import prefilling as pf
 from .model.models import LoadedModel
@@ -40,7 +39,8 @@ class Target(Protocol):
     name: str
 
     def current(self) -> mf.Manifest | None:
-        """The manifest of the cache there now (shards present, not read), or None if none or broken."""
+        """The manifest of the cache there now (shards present, not read), or None if none or broken; a cache
+        another process is writing is waited for."""
 
     def write(self, lm: LoadedModel, document: Document, *, force: bool, **options: Any) -> pf.PrefillResult:
         """Prefill the document and install the cache (replacing one only with force)."""
@@ -57,6 +57,7 @@ class LocalTarget:
         return str(self.path)
 
     def current(self) -> mf.Manifest | None:
+        writing.wait_for_writer(self.path)  # another process writing it now: what it wrote, once done
         try:
             return store.read_manifest(self.path)  # validates the manifest and opens (never reads) each shard
         except CacheError:
@@ -146,13 +147,6 @@ def shard_from_env(env: Mapping[str, str] = os.environ) -> tuple[int, int] | Non
 def share(entries: Sequence[T], index: int, count: int) -> list[T]:
     """This process's share: entries index, index + count, index + 2*count, ... of the whole list."""
     return list(entries[index::count])
-
-
-def cache_name(entry: str) -> str:
-    """The cache name for a document path or URL: its file name with suffix .kv (doc.txt -> doc.kv)."""
-    path = urlsplit(entry).path if "://" in entry else entry
-    stem = PurePosixPath(path).stem or "document"
-    return stem + ".kv"
 
 
 def plan(entries: list[str], target_for: Callable[[str], Target]) -> list[Job]:

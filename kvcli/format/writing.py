@@ -12,13 +12,19 @@ import errno
 import fcntl
 import os
 import shutil
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import CacheExistsError, KvcliError, UsageError
+from ..documents import cache_name
+from ..errors import CacheBusyError, CacheExistsError, KvcliError, UsageError
 from .store import TMP_MARK, is_cache
+
+LOCK_SUFFIX = ".kvlock"  # ".NAME.kvlock" beside a cache: a prefill is writing NAME
+_thread = threading.local()
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -74,12 +80,22 @@ def clean_stale(target: Path) -> None:
 
 
 def is_leftover(entry: Path) -> bool:
-    """A hidden temporary folder (or file) of a kvcli writer: '.NAME.kvtmp-PID-...'."""
-    return entry.name.startswith(".") and TMP_MARK in entry.name
+    """A hidden temporary folder (or file) of a kvcli writer: '.NAME.kvtmp-PID-...', or its lock '.NAME.kvlock'."""
+    return entry.name.startswith(".") and (TMP_MARK in entry.name or entry.name.endswith(LOCK_SUFFIX))
 
 
 def remove_if_stale(entry: Path, *, dry_run: bool = False) -> bool:
     """Remove a temporary sibling whose writer is gone (process dead, lock free); True if it was (or would be)."""
+    if TMP_MARK not in entry.name:  # a writer lock file: stale once no process holds its flock
+        fd = None if entry.is_symlink() else _lock(entry, block=False)
+        if fd is None:
+            return False
+        try:
+            if not dry_run:
+                _remove(entry)
+        finally:
+            os.close(fd)
+        return True
     pid = entry.name.split(TMP_MARK, 1)[1].split("-")[0] if TMP_MARK in entry.name else ""
     if pid.isdigit() and _alive(int(pid)):
         return False
@@ -98,10 +114,11 @@ def remove_if_stale(entry: Path, *, dry_run: bool = False) -> bool:
     return True
 
 
-def _lock(directory: Path, *, block: bool) -> int | None:
-    """An fd holding an exclusive flock on `directory` (released when the process dies), or None if held."""
+def _lock(path: Path, *, block: bool) -> int | None:
+    """An fd holding an exclusive flock on the folder or file `path` (released when the process dies), or None
+    if held or gone."""
     try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
     try:
@@ -150,6 +167,100 @@ def check_target(target: str | os.PathLike, *, force: bool, folder_made: bool = 
         raise KvcliError(f"{parent}: output folder {'is not a folder' if parent.exists() else 'does not exist'}")
 
 
+def _held() -> dict[str, list[int]]:
+    """This thread's writer locks: lock path -> [fd, depth]."""
+    if not hasattr(_thread, "locks"):
+        _thread.locks = {}
+    return _thread.locks
+
+
+def lock_path(target: str | os.PathLike) -> Path:
+    target = Path(target)
+    return target.parent / f".{target.name}{LOCK_SUFFIX}"
+
+
+@contextmanager
+def writer_lock(target: str | os.PathLike) -> Iterator[None]:
+    """Hold the one lock on writing `target` (a flock on '.NAME.kvlock' beside it, removed on exit): another
+    writer, in any process or thread, is refused (CacheBusyError). A killed writer's lock file is free
+    (flock ends with its process). Reentrant within a thread."""
+    path = lock_path(target)
+    key = os.path.abspath(path)
+    held = _held()
+    if key in held:
+        held[key][1] += 1
+        try:
+            yield
+        finally:
+            held[key][1] -= 1
+        return
+    if not path.parent.is_dir():  # an output folder made later: the write itself takes the lock
+        yield
+        return
+    fd = _take(path)
+    if fd is None:
+        pid = _read_pid(path)
+        raise CacheBusyError(f"{target}: another prefill{f' (pid {pid})' if pid else ''} is writing this cache now; "
+                             "wait until it has finished")
+    held[key] = [fd, 1]
+    try:
+        yield
+    finally:
+        del held[key]
+        try:
+            path.unlink()  # before closing: a waiter that opened this file sees it is gone and takes a new one
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def wait_for_writer(target: str | os.PathLike) -> None:
+    """Return once no other writer holds `target`'s lock (at once when none does); creates nothing."""
+    path = lock_path(target)
+    if os.path.abspath(path) in _held():
+        return
+    while path.exists():
+        fd = _lock(path, block=False)
+        if fd is not None:
+            os.close(fd)
+            return
+        time.sleep(0.2)
+
+
+def _take(path: Path) -> int | None:
+    """An fd holding the flock of the lock file at `path`, or None while another writer holds it."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            raise KvcliError(f"{path.parent}: cannot write here ({exc.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except OSError:
+            same = False
+        if same:
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, str(os.getpid()).encode())
+            except OSError:
+                pass  # the pid only names the writer in a refusal
+            return fd
+        os.close(fd)  # its last holder removed it meanwhile: take the new one
+
+
+def _read_pid(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except (OSError, ValueError):
+        return ""
+    return text if text.isdigit() else ""
+
+
 @contextmanager
 def atomic_cache_dir(target: str | os.PathLike, *, force: bool) -> Iterator[Path]:
     """Yield a fresh temporary directory; on success swap it into `target`, else remove it.
@@ -158,25 +269,26 @@ def atomic_cache_dir(target: str | os.PathLike, *, force: bool) -> Iterator[Path
     """
     target = Path(target)
     check_target(target, force=force)
-    parent = target.parent
-    clean_stale(target)
-    tmp = parent / f".{target.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
-    except OSError as exc:
-        raise KvcliError(f"{parent}: cannot write here ({exc.strerror})") from None
-    lock = _lock(tmp, block=True)  # tells clean_stale in other processes that this folder is in use
-    try:
-        yield tmp
-        _fsync_dir(tmp)
-        _install(tmp, target, force=force)
-    except OSError as exc:
-        raise KvcliError(f"{target}: write failed ({exc.strerror or exc}); nothing was changed") from None
-    finally:
-        if lock is not None:
-            os.close(lock)
-        if tmp.exists() or tmp.is_symlink():
-            _remove(tmp)
+    with writer_lock(target):  # a second writer of this cache is refused here, before any work
+        parent = target.parent
+        clean_stale(target)
+        tmp = parent / f".{target.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.mkdir()
+        except OSError as exc:
+            raise KvcliError(f"{parent}: cannot write here ({exc.strerror})") from None
+        lock = _lock(tmp, block=True)  # tells clean_stale in other processes that this folder is in use
+        try:
+            yield tmp
+            _fsync_dir(tmp)
+            _install(tmp, target, force=force)
+        except OSError as exc:
+            raise KvcliError(f"{target}: write failed ({exc.strerror or exc}); nothing was changed") from None
+        finally:
+            if lock is not None:
+                os.close(lock)
+            if tmp.exists() or tmp.is_symlink():
+                _remove(tmp)
 
 
 def _install(tmp: Path, target: Path, *, force: bool) -> None:
@@ -218,10 +330,10 @@ def cache_targets(docs: list[str], output: Path | None) -> tuple[list[tuple[str,
     if "-" in docs and (output is None or len(docs) > 1):
         raise UsageError("reading the document from stdin ('-') needs -o CACHE and no other document")
     if len(docs) == 1 and not (output is not None and output.is_dir() and not is_cache(output)):
-        return [(docs[0], output or Path(docs[0]).with_suffix(".kv"))], None
+        return [(docs[0], output or Path(docs[0]).parent / cache_name(docs[0]))], None
     if output is not None and (is_cache(output) or (output.exists() and not output.is_dir())):
         raise UsageError(f"{output}: with several documents, -o must be a folder")
-    targets = [(d, (output or Path(d).parent) / (Path(d).stem + ".kv")) for d in docs]
+    targets = [(d, (output or Path(d).parent) / cache_name(d)) for d in docs]
     seen: dict[str, str] = {}
     for doc, target in targets:
         key = os.path.normcase(os.path.abspath(target))

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import is_url
-from ..documents import Document
+from ..documents import Document, cache_name
 from ..errors import UsageError
 
 
@@ -25,7 +25,7 @@ def target_for(output: str | None, *, single: bool) -> Callable[[str], object]:
         objects.check_writable(output)
         if single and not output.endswith("/"):
             return lambda entry: objects.RemoteTarget(output)
-        return lambda entry: objects.RemoteTarget(objects.join(output, corpus.cache_name(entry)))
+        return lambda entry: objects.RemoteTarget(objects.join(output, cache_name(entry)))
     if output is not None:
         folder = Path(output)
         if single and not (folder.is_dir() and not is_cache(folder)):
@@ -35,12 +35,12 @@ def target_for(output: str | None, *, single: bool) -> Callable[[str], object]:
         from ..format.writing import make_folder
 
         make_folder(folder)  # like mkdir -p, race-free: every task of a scheduler array may create it at once
-        return lambda entry: corpus.LocalTarget(folder / corpus.cache_name(entry))
+        return lambda entry: corpus.LocalTarget(folder / cache_name(entry))
 
     def beside(entry: str):
         if is_url(entry):
             raise UsageError(f"{entry}: a document given as a URL needs -o (a folder or an object-store URL)")
-        return corpus.LocalTarget(Path(entry).parent / corpus.cache_name(entry))
+        return corpus.LocalTarget(Path(entry).parent / cache_name(entry))
 
     return beside
 
