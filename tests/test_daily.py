@@ -179,6 +179,15 @@ def test_rm_removes_a_cache(cache_dir, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_rm_one_cache_named_twice_removes_it_once(cache_dir, tmp_path, monkeypatch):
+    copy = tmp_path / "copy.kv"
+    shutil.copytree(cache_dir, copy)
+    monkeypatch.chdir(tmp_path)
+    result = run("rm", "copy.kv", copy, "./copy.kv/")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.count("removed") == 1 and not copy.exists()
+
+
 def _not_caches(tmp_path: Path, cache_dir: Path) -> dict[str, tuple[Path, str]]:
     folder = tmp_path / "notes"
     folder.mkdir()

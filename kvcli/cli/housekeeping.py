@@ -65,6 +65,7 @@ def rm(
     from ..format import housekeeping as hk
 
     out = Output(quiet=quiet)
+    caches = hk.distinct(caches)  # one path given twice is removed once
     hk.check_removable(caches)
     for path in caches:
         r = hk.remove_cache(path)

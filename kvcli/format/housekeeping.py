@@ -83,6 +83,15 @@ def remove_cache(path: str | os.PathLike) -> Removal:
     return Removal(path=path, kind="cache", bytes=size)
 
 
+def distinct(paths: list[Path]) -> list[Path]:
+    """The paths without repeats, in order: two spellings of one path (a.kv, ./a.kv, d/../a.kv) are one.
+    The last component is not resolved, so a symbolic link stays a link (and is refused)."""
+    seen: dict[str, Path] = {}
+    for path in map(Path, paths):
+        seen.setdefault(os.path.normcase(os.path.join(os.path.realpath(path.parent), path.name)), path)
+    return list(seen.values())
+
+
 def check_removable(paths: list[Path]) -> None:
     """Refuse the whole request, before removing anything, if any path is not a kvcli cache."""
     for path in paths:
