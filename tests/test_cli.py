@@ -215,9 +215,24 @@ def test_traceback_only_with_debug(tmp_path):
     assert result.exit_code == 3 and "Traceback" in result.stderr
 
 
-def test_verify_ok(cache_dir):
+def test_verify_prints_the_verified_caches_on_stdout(cache_dir, tmp_path):
     result = run("verify", cache_dir)
-    assert result.exit_code == 0 and "ok" in result.stderr and result.stdout == ""
+    assert result.exit_code == 0 and result.stderr == ""
+    assert result.stdout.startswith(f"{cache_dir}: ok (") and len(result.stdout.splitlines()) == 1
+    bad = _copy(cache_dir, tmp_path)
+    _truncate(bad)
+    both = run("verify", cache_dir, bad, "--quiet")
+    assert both.exit_code == 3 and both.stdout == result.stdout and str(bad) in both.stderr
+
+
+@pytest.mark.parametrize("damage", [_truncate, _remove_shard, _flip], ids=["truncate", "remove_shard", "flip"])
+def test_info_reads_the_manifest_alone(cache_dir, tmp_path, damage):
+    path = _copy(cache_dir, tmp_path)
+    damage(path)
+    result = run("info", path, "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["num_tokens"] == kvcli.read_manifest(cache_dir).num_tokens
+    assert "verify" in " ".join(run("info", "--help").stdout.split())
 
 
 def test_info_json(cache_dir):

@@ -72,6 +72,26 @@ def test_models_list_and_retrieve(client, docs):
         client.models.retrieve("nope.kv")
 
 
+def test_models_lists_only_caches_that_open(docs, tmp_path):
+    folder = tmp_path / "docs"
+    for name in ("good.kv", "edited.kv", "no-shard.kv"):
+        shutil.copytree(docs[0] / "licence.kv", folder / name)
+    manifest = folder / "edited.kv" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"licence.txt"', '"other.txt"'))  # its checksum no longer holds
+    (folder / "no-shard.kv" / "layer_001.safetensors.zst").unlink()
+    (folder / "junk.kv").mkdir()
+    (folder / "junk.kv" / "manifest.json").write_text("{")
+    srv = http.start("127.0.0.1", 0, docs=[folder])
+    try:
+        listed = httpx.get(srv.base_url + "/models", timeout=30)
+        assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == ["good.kv"]
+        for name in ("edited.kv", "no-shard.kv", "junk.kv"):
+            assert httpx.get(f"{srv.base_url}/models/{name}", timeout=30).status_code == 404
+        assert httpx.get(srv.base_url + "/models/good.kv", timeout=30).status_code == 200
+    finally:
+        srv.stop()
+
+
 def test_completion_equals_asking_in_process_and_recompute(client, docs):
     r = client.chat.completions.create(model="licence.kv", messages=[{"role": "user", "content": Q1}], max_tokens=MAX)
     alone = _alone(docs, "licence.kv", Q1)

@@ -350,7 +350,7 @@ def test_cli_prefill_kv_bits_and_info_ls_verify_show_the_scheme(tiny_model_dir, 
     assert info["storage"] == "4-bit" and info["compression"]["quant"]["bits"] == 4 and info["format_version"] == 3
     assert info["compression"]["quant"]["recent_tokens"] == QUANT_RECENT[4]
     r = run("verify", cache)
-    assert r.exit_code == 0 and "4-bit" in r.stderr
+    assert r.exit_code == 0 and "4-bit" in r.stdout
     assert json.loads(run("verify", cache, "--json").stdout)["storage"] == "4-bit"
     r = run("ls", tmp_path)
     assert r.exit_code == 0 and "4-bit" in r.stdout

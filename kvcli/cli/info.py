@@ -19,7 +19,10 @@ def info(
     cache: Annotated[str, typer.Argument(metavar="CACHE", help="Cache directory or URL.")],
     json_out: JsonOpt = False,
 ) -> int:
-    """Show a cache's manifest: model, document, tokens, layers and sizes."""
+    """Show a cache's manifest: model, document, tokens, layers and sizes.
+
+    Reads the manifest alone: no shard is opened, so a missing or damaged shard goes unseen (kvcli verify checks them).
+    """
     from rich.table import Table
     from rich.text import Text
 
@@ -34,7 +37,7 @@ def info(
         m = objects.read_manifest(cache)  # the manifest only: nothing else is downloaded
         s = catalog.summary(objects.redact(cache), m)
     else:
-        m = store.read_manifest(cache)
+        m = store.read_manifest(cache, shards=False)
         s = catalog.summary(Path(cache), m)
     if json_out:
         out.json_doc({**s, "layers": catalog.layer_rows(m)})
@@ -67,7 +70,10 @@ def verify(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> int:
-    """Check every shard of each cache against its manifest (no model needed). Exit 3 if any is bad."""
+    """Check every shard of each cache against its manifest (no model needed). Exit 3 if any is bad.
+
+    Each cache that checks out is printed on stdout; each bad one is an error on stderr.
+    """
     out = Output(quiet=quiet)
     worst = 0
     for path in caches:
@@ -81,7 +87,7 @@ def verify(
             out.json_line({"cache": shown(path), "ok": True, "num_tokens": m.num_tokens, "num_layers": len(m.layers),
                            "storage": m.storage})
         else:
-            out.note(f"{shown(path)}: ok ({len(m.layers)} layers, {m.num_tokens:,} tokens, {m.storage})")
+            out.write(f"{shown(path)}: ok ({len(m.layers)} layers, {m.num_tokens:,} tokens, {m.storage})\n")
     return worst
 
 

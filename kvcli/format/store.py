@@ -182,26 +182,27 @@ def _open_in(dir_fd: int, name: str, where: Path) -> int:
     return fd
 
 
-def read_manifest(path: str | os.PathLike) -> mf.Manifest:
-    """Validate and return the manifest of the cache at `path` without touching the shards."""
-    with open_cache(path) as cache:
+def read_manifest(path: str | os.PathLike, *, shards: bool = True) -> mf.Manifest:
+    """Validate and return the manifest of the cache at `path`. Each shard is opened (so a missing one is
+    refused) but never read; with shards=False none is opened."""
+    with open_cache(path, shards=shards) as cache:
         return cache.manifest
 
 
-def open_cache(path: str | os.PathLike) -> OpenedCache:
-    """Open a cache: validated manifest and open shard handles, all from one directory snapshot."""
+def open_cache(path: str | os.PathLike, *, shards: bool = True) -> OpenedCache:
+    """Open a cache: validated manifest and open shard handles (none without shards), all from one directory snapshot."""
     path = Path(path)
     if TMP_MARK in path.name:
         raise CacheMissingError(f"{path}: is the temporary folder of an unfinished or interrupted prefill, not a cache")
     for _attempt in range(5):  # a concurrent replace can remove files between two opens: start over
         try:
-            return _open_once(path)
+            return _open_once(path, shards)
         except FileNotFoundError:
             continue
     raise CacheMissingError(f"{path}: cache changed while being opened; try again")
 
 
-def _open_once(path: Path) -> OpenedCache:
+def _open_once(path: Path, shards: bool) -> OpenedCache:
     try:
         dir_fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -227,7 +228,7 @@ def _open_once(path: Path) -> OpenedCache:
         if len(raw) > mf.MAX_MANIFEST_BYTES:
             raise CacheCorruptError(f"{path / mf.MANIFEST_NAME}: manifest is implausibly large")
         manifest = mf.parse(raw, str(path / mf.MANIFEST_NAME))
-        for layer in manifest.layers:
+        for layer in manifest.layers if shards else ():
             try:
                 fds.append(_open_in(dir_fd, layer.file, path))
             except FileNotFoundError:

@@ -46,7 +46,7 @@ class Opened:
 
 class Provider(Protocol):
     def models(self) -> list[tuple[str, dict[str, Any]]]:
-        """(id, catalog row) for every cache offered; a broken cache's row has "error"."""
+        """(id, catalog row) for every cache offered: those whose manifest is valid."""
 
     def open(self, model_id: str) -> Opened | None:
         """The Session for that id (None if there is no such cache); raises CacheError if it does not fit.
@@ -55,7 +55,8 @@ class Provider(Protocol):
 
 
 def catalog_ids(folders: Sequence[Path]) -> list[tuple[str, dict[str, Any]]]:
-    """(id, row) for every cache under the folders: id = path relative to its folder (the first folder wins)."""
+    """(id, row) for every cache under the folders whose manifest is valid (a broken one would only answer 409):
+    id = path relative to its folder (the first folder wins)."""
     from ..format import catalog
 
     seen: dict[str, dict[str, Any]] = {}
@@ -67,7 +68,7 @@ def catalog_ids(folders: Sequence[Path]) -> list[tuple[str, dict[str, Any]]]:
             path = Path(row["path"])
             model_id = path.name if path == folder else path.relative_to(folder).as_posix()
             seen.setdefault(model_id, row)
-    return list(seen.items())
+    return [(model_id, row) for model_id, row in seen.items() if "error" not in row]
 
 
 def resolve(folders: Sequence[Path], model_id: str) -> Path | None:

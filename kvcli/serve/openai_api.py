@@ -110,16 +110,13 @@ def parse_chat(body: Any, *, max_tokens: int | None = None) -> ChatRequest:
 
 def model_entry(model_id: str, row: dict[str, Any], scrub=lambda text: text) -> dict[str, Any]:
     """One /v1/models entry: OpenAI's fields plus kvcli's own metadata under "kvcli" (no server path: the id
-    names the cache; scrub(text) takes paths out of an error and of a model recorded by its folder)."""
+    names the cache; scrub(text) takes paths out of a model recorded by its folder)."""
     created = int(time.time() - (row.get("age_s") or 0.0))
-    if "error" in row:
-        meta = {"error": scrub(row["error"])}
-    else:
-        meta = {k: row.get(k) for k in ("num_tokens", "model", "model_type", "dtype", "bytes_on_disk", "bytes_raw")}
-        if isinstance(meta["model"], str):
-            meta["model"] = scrub(meta["model"])
-        meta["document"] = (row.get("document") or {}).get("name")
-        meta["system"] = (row.get("framing") or {}).get("system")
+    meta = {k: row.get(k) for k in ("num_tokens", "model", "model_type", "dtype", "bytes_on_disk", "bytes_raw")}
+    if isinstance(meta["model"], str):
+        meta["model"] = scrub(meta["model"])
+    meta["document"] = (row.get("document") or {}).get("name")
+    meta["system"] = (row.get("framing") or {}).get("system")
     return {"id": model_id, "object": "model", "created": created, "owned_by": "kvcli", "kvcli": meta}
 
 
