@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,6 +92,26 @@ def test_help_shows_choices_and_no_type_labels():
     text = run("prefill", "--help").stdout
     assert "<auto|cpu|cuda|mps>" in text and "<auto|float32|bfloat16|float16>" in text and "<auto|chat|plain>" in text
     assert "DOC..." in text
+
+
+def test_help_texts_say_what_each_command_takes():
+    helps = {cmd: run(cmd, "--help") for cmd in ("prefill", "ask", "chat", "count", "bench", "serve", "rm", "verify")}
+    assert all(h.exit_code == 0 for h in helps.values())
+    text = {cmd: " ".join(h.stdout.split()) for cmd, h in helps.items()}
+    usage = {cmd: h.stdout.splitlines()[0] for cmd, h in helps.items()}
+    assert all("{" not in line for line in usage.values()), usage
+    assert usage["rm"].endswith(" CACHE...") and usage["verify"].endswith(" CACHE...") and usage["count"].endswith(" DOC...")
+    assert usage["prefill"].endswith(" [DOC]...") and usage["ask"].endswith(" [QUESTION]...")
+    for cmd in ("ask", "chat"):  # the range shown is the range accepted: 0 is refused
+        assert "0.0<x<=1.0" in text[cmd] and "0.0<=x" not in text[cmd]
+        assert "the model the cache was built with" in text[cmd] and "$KVCLI_MODEL" not in text[cmd]
+    for cmd in ("prefill", "count", "bench"):
+        assert "$KVCLI_MODEL" in text[cmd] and "for ask" not in text[cmd]
+    assert "above: 400" not in text["serve"] and "refused with HTTP 400" in text["serve"]
+    assert not [cmd for cmd, t in text.items() if "measured" in t or re.search(r"\d\.?\d*x faster", t)]  # no benchmark figures
+    assert "-f, --force" not in text["prefill"] and "-f, --questions-file" in text["ask"]
+    assert ".txt" in text["prefill"] and "MPL-2.0.kv" in text["prefill"]
+    assert_clean_error(run("prefill", "doc.txt", "-f"), 2, "-f")
 
 
 # ---- 2. pipes

@@ -60,6 +60,17 @@ class _Help(TyperCommand):
 
     make_context = _one_shape(TyperCommand.make_context)
 
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        """The usage line: an argument that takes several values as DOC... ([QUESTION]... when optional)."""
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                name = param.metavar or param.name.upper()
+                pieces.append((name if param.required else f"[{name}]") + ("..." if param.nargs != 1 else ""))
+            else:
+                pieces.extend(param.get_usage_pieces(ctx))
+        return pieces
+
     def format_options(self, ctx, formatter) -> None:
         rows: dict[str, list[tuple[str, str]]] = {"Arguments": [], "Options": []}
         for param in self.get_params(ctx):

@@ -12,7 +12,7 @@ from ..errors import UsageError
 from ..output import Output
 from .app import command
 from .common import local_cache, read_answer_json, shown
-from .options import (CacheDtypeOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, SeedOpt, ServerOpt,
+from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, QuietOpt, RevisionOpt, SeedOpt, ServerOpt,
                       TemperatureOpt, TopPOpt, TrustOpt)
 
 
@@ -25,7 +25,7 @@ def chat(
     seed: SeedOpt = None,
     stop: Annotated[list[str], typer.Option(metavar="TEXT", help="End an answer at this string (repeatable).", show_default=False)] = [],  # noqa: B006
     follow_up: FollowUpOpt = None,
-    model: ModelOpt = None,
+    model: CacheModelOpt = None,
     revision: RevisionOpt = None,
     device: DeviceOpt = "auto",
     dtype: CacheDtypeOpt = None,

@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
+from typer._click.types import FloatRange  # typer's own click, as cli/app.py uses: a range open at 0
 
 Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", metavar="MODEL", help="Hub id, model folder or .gguf file (default: $KVCLI_MODEL, else the embedded SmolLM2-135M-Instruct; for ask: the cache's model).")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", metavar="MODEL", help="Hub id, model folder or .gguf file (default: $KVCLI_MODEL, else the embedded SmolLM2-135M-Instruct).")]
+CacheModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", metavar="MODEL", help="Hub id, model folder or .gguf file to answer with (default: the model the cache was built with).")]
 RevisionOpt = Annotated[Optional[str], typer.Option(metavar="REV", help="Hub revision (branch, tag or commit).")]
 DeviceOpt = Annotated[Device, typer.Option(help="auto: CUDA or MPS when present, else CPU.")]
 DtypeOpt = Annotated[Dtype, typer.Option(help="Compute dtype (auto: float32 on CPU, the model's own on an accelerator).")]
@@ -27,6 +29,6 @@ CacheDtypeOpt = Annotated[Optional[Literal["float32", "bfloat16", "float16"]], t
 FollowUpOpt = Annotated[Optional[Path], typer.Option("--follow-up", metavar="FILE", help="Continue the conversation of the last line of this `ask --json` output ('-' for stdin).", show_default=False)]
 # sampling options that ask and chat spell alike
 TemperatureOpt = Annotated[float, typer.Option(min=0.0, metavar="T", help="0 for greedy (default).")]
-TopPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, metavar="P", help="Nucleus sampling threshold (with --temperature).")]
+TopPOpt = Annotated[float, typer.Option(click_type=FloatRange(0.0, 1.0, min_open=True), metavar="P", help="Nucleus sampling threshold (with --temperature).")]
 SeedOpt = Annotated[Optional[int], typer.Option(metavar="S", help="Seed for reproducible sampling.")]
 ConvertDtypeOpt = Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")]

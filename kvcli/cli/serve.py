@@ -27,7 +27,7 @@ def serve(
     batch_size: Annotated[int, typer.Option(min=1, metavar="N", help="Questions on one document decoded together, from any clients (1: one at a time).")] = 8,
     allow_host: Annotated[list[str], typer.Option("--allow-host", metavar="NAME", show_default=False, help="Also answer HTTP requests whose Host header is NAME (repeatable; default: loopback names and the bound address only).")] = [],  # noqa: B006
     allow_origin: Annotated[list[str], typer.Option("--allow-origin", metavar="ORIGIN", show_default=False, help="Let web pages from ORIGIN (e.g. https://app.example.org) call the HTTP endpoint (repeatable; default: none).")] = [],  # noqa: B006
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, metavar="N", help="Most answer tokens one HTTP request may ask for (above: 400).")] = 4096,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, metavar="N", help="Most answer tokens one HTTP request may ask for (max_tokens); a request asking for more is refused with HTTP 400.")] = 4096,
     quiet: QuietOpt = False,
 ) -> int:
     """Keep models and restored caches warm on a unix socket; ask and prefill use it when it runs."""
