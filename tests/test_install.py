@@ -11,6 +11,8 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", re.M)
 
@@ -84,3 +86,19 @@ def test_ci_runs_the_readme_commands_as_written():
         assert installs and all("-c constraints.txt" in p for p in installs), line
         others = [p for p in line.split("&&") if "pip install" in p and " -e " not in p]
         assert all("--no-deps" in p or re.search(r"install \S+==\S+\s*$", p) for p in others), line  # pinned, alone
+
+
+def test_every_readme_install_compiles_bytecode():
+    readme = (ROOT / "README.md").read_text()
+    installs = [p for block in _sh_blocks(readme) for p in block.split("&&") if re.search(r"\buv (pip|tool) install\b", p)]
+    assert len(installs) >= 4 and [p for p in installs if "--compile-bytecode" not in p] == []
+
+
+def test_the_quick_starts_cache_is_ignored_by_git():
+    import shutil
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("samples/document.kv/manifest.json", "samples/document.kv/layer_000.safetensors.zst"):
+        r = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "--no-index", path], capture_output=True, timeout=60)
+        assert r.returncode == 0, f"{path} is not ignored by .gitignore"
