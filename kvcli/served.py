@@ -26,6 +26,8 @@ def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: 
 
     where = client.socket_path()
     conn = client.open_request(where, op, fields)
+    if conn is None and require is None and autostart(out, where):
+        conn = client.open_request(where, op, fields)
     if conn is None:
         if require:
             raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")
@@ -51,6 +53,39 @@ def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: 
     raise ServerError(f"{where}: the server stopped before the answer was complete")
 
 
+AUTOSTART_IDLE = "10m"  # how long a server started for a shell loop stays up unused
+
+
+def autostart_allowed() -> bool:
+    """KVCLI_AUTOSTART=0 never starts a server, =1 always does; unset, it does unless CI is set."""
+    value = os.environ.get("KVCLI_AUTOSTART", "").strip().lower()
+    if value in ("0", "no", "off", "false", "never"):
+        return False
+    if value in ("1", "yes", "on", "true", "always"):
+        return True
+    return not os.environ.get("CI")
+
+
+def autostart(out: Output, where) -> bool:
+    """Start a server in the background for the commands that follow (a shell loop of asks), unless
+    autostart is off; True once one answers on `where`. Two shells starting at once get one server: the
+    start is serialised by a lock beside the socket, and the second finds the first's server."""
+    if not autostart_allowed():
+        return False
+    from . import units
+    from .serve import client, server as sv
+
+    idle = os.environ.get("KVCLI_AUTOSTART_IDLE") or AUTOSTART_IDLE
+    units.parse_duration(idle, "KVCLI_AUTOSTART_IDLE")  # a bad value is a usage error here, not a server that dies at start
+    with sv.start_lock(where):
+        if client.ping(where, timeout=2.0):
+            return True
+        pid = sv.detach(where, ["--idle-timeout", idle], cwd="/")
+    out.raw_note(f"kvcli: note: started a warm server (pid {pid}; it exits after {idle} unused; 'kvcli serve --stop' stops it, "
+             f"--no-server or KVCLI_AUTOSTART=0 keeps a command in-process)")
+    return True
+
+
 def _messages(out: Output):
     """A renderer for events of no particular command: notes, warnings, errors."""
 
@@ -66,12 +101,13 @@ def _messages(out: Output):
     return render
 
 
-def answers(require: Optional[bool]) -> bool:
-    """Whether a server answers on the socket (ServerError if none does and one is required)."""
+def answers(out: Output, require: Optional[bool]) -> bool:
+    """Whether a server answers on the socket, started here if none does and autostart allows
+    (ServerError if none does and one is required)."""
     from .serve import client
 
     where = client.socket_path()
-    if client.ping(where):
+    if client.ping(where) or (require is None and autostart(out, where)):
         return True
     if require:
         raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")

@@ -29,6 +29,7 @@ def _isolated_home(session_home, monkeypatch):
     monkeypatch.delenv("KVCLI_MODEL", raising=False)
     monkeypatch.delenv("KVCLI_DEBUG", raising=False)
     monkeypatch.setenv("KVCLI_SOCKET", str(session_home / "no-server-here.sock"))  # never a developer's running server
+    monkeypatch.setenv("KVCLI_AUTOSTART", "0")  # no test starts a background server unless it asks to
 
 
 @pytest.fixture(scope="session")

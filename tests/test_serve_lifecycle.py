@@ -142,3 +142,56 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_autostart_two_shells_get_one_server_that_goes_when_idle(life, monkeypatch):
+    home = short_dir()
+    sock = home / "kvcli.sock"
+    env = {k: v for k, v in os.environ.items() if k not in ("KVCLI_SOCKET", "CI")}
+    env |= {"KVCLI_HOME": str(home), "KVCLI_AUTOSTART": "1", "KVCLI_AUTOSTART_IDLE": "4s"}
+    cmd = kvcli_cmd("ask", "-c", life["cache"], "Q?", "--max-new-tokens", "3", "--json")
+    askers = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in askers]
+    pid = None
+    try:
+        assert [p.returncode for p in askers] == [0, 0], results
+        assert [json_lines(out)[0]["served"] for out, _ in results] == [True, True]
+        started = [ln for _, err in results for ln in err.splitlines() if "started a warm server" in ln]
+        assert len(started) == 1, results  # one server for both shells, announced once
+        assert "exits after 4s unused" in started[0] and "KVCLI_AUTOSTART=0" in started[0]
+        pid = int(started[0].split("(pid ")[1].split(";")[0])
+        assert client.ping(sock)["pid"] == pid
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600 and stat.S_IMODE(os.stat(home).st_mode) == 0o700
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.2)
+        assert not _alive(pid), "the autostarted server did not exit when idle"
+        assert not sock.exists()
+    finally:
+        if pid and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("setting", [{"CI": "true"}, {"KVCLI_AUTOSTART": "0"}, {"KVCLI_AUTOSTART": "1", "--no-server": ""}])
+def test_no_autostart_under_ci_when_off_or_with_no_server(life, monkeypatch, setting):
+    home = short_dir()
+    monkeypatch.delenv("KVCLI_SOCKET")
+    monkeypatch.delenv("KVCLI_AUTOSTART")
+    monkeypatch.setenv("KVCLI_HOME", str(home))
+    for name, value in setting.items():
+        if not name.startswith("--"):
+            monkeypatch.setenv(name, value)
+    flags = [name for name in setting if name.startswith("--")]
+    result = run("ask", "-c", life["cache"], "Q?", "--max-new-tokens", "3", "--json", *flags)
+    assert result.exit_code == 0, result.stderr
+    assert json_lines(result.stdout)[0]["served"] is False and "started a warm server" not in result.stderr
+    assert not (home / "kvcli.sock").exists()
+
+
+def test_autostart_idle_setting_is_checked(life, monkeypatch):
+    monkeypatch.delenv("KVCLI_SOCKET")
+    monkeypatch.setenv("KVCLI_HOME", str(short_dir()))
+    monkeypatch.setenv("KVCLI_AUTOSTART", "1")
+    monkeypatch.setenv("KVCLI_AUTOSTART_IDLE", "soon")
+    result = run("ask", "-c", life["cache"], "Q?", "--max-new-tokens", "3")
+    assert result.exit_code == 2 and "KVCLI_AUTOSTART_IDLE soon" in result.stderr and "Traceback" not in result.stderr

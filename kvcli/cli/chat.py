@@ -47,7 +47,7 @@ def chat(
     checked = check_options(options)
     from ..remote import is_url
 
-    if server is not False and not is_url(cache) and served.answers(server):  # the conversation goes through the running server
+    if server is not False and not is_url(cache) and served.answers(out, server):  # the conversation goes through the running server
         fields = {"caches": [os.path.abspath(cache)], "options": options, "model": served.client_model(model), "revision": revision,
                   "device": device, "dtype": dtype, "convert_dtype": convert_dtype, "trust_remote_code": trust_remote_code,
                   "stream": not json_out}

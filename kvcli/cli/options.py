@@ -22,7 +22,7 @@ SystemOpt = Annotated[Optional[str], typer.Option(metavar="TEXT", help="System t
 EncodingOpt = Annotated[str, typer.Option(metavar="NAME", help="Text encoding of the documents (any Python codec: utf-8, latin-1, utf-16, ...).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
-ServerOpt = Annotated[Optional[bool], typer.Option("--server/--no-server", help="Require a running `kvcli serve` / never use one (default: use one if it answers).", show_default=False)]
+ServerOpt = Annotated[Optional[bool], typer.Option("--server/--no-server", help="Require a running `kvcli serve` / never use one (default: use one, starting it in the background if none runs, unless KVCLI_AUTOSTART=0 or CI is set).", show_default=False)]
 SocketOpt = Annotated[Optional[Path], typer.Option("--socket", metavar="PATH", help="The server's socket (default: $KVCLI_SOCKET, else $KVCLI_HOME/kvcli.sock).", show_default=False)]
 WeightsOpt = Annotated[Literal["float", "q4"], typer.Option(help="float: the weights as transformers dequantizes them; q4: a GGUF model's 4-bit weights as stored, through torch's int4 kernel (CPU; faster decoding, answers of that arithmetic; docs/exactness.md).")]
 CacheDtypeOpt = Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(help="Compute dtype (default: the cache's).")]

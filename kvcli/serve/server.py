@@ -20,7 +20,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +282,7 @@ def log_path() -> Path:
     return client.kvcli_home() / LOG_NAME
 
 
-def detach(path: Path, args: list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None) -> int:
+def detach(path: Path, args: list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None, cwd: str | None = None) -> int:
     """Start `kvcli serve ARGS` in the background (its own session, output to the log, `env` added to its
     environment); return its pid once it answers on `path`. ServerError (with the log's last line) if it
     exits or does not answer."""
@@ -290,7 +291,7 @@ def detach(path: Path, args: list[str], *, timeout: float = 300.0, env: dict[str
     with open(logfile, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvcli", "serve", "--socket", str(path), *args],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
-                                env={**os.environ, **env} if env else None)
+                                env={**os.environ, **env} if env else None, cwd=cwd)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         code = proc.poll()
@@ -302,6 +303,27 @@ def detach(path: Path, args: list[str], *, timeout: float = 300.0, env: dict[str
         time.sleep(0.1)
     proc.terminate()
     raise ServerError(f"{path}: the server did not answer within {timeout:.0f} s (see {logfile})")
+
+
+@contextmanager
+def start_lock(path: Path, timeout: float = 330.0) -> Iterator[None]:
+    """Hold PATH.start.lock while a client starts a server, so that clients starting at once start one
+    (the lock goes with the holder's process: a client that dies mid-start never blocks the next)."""
+    _prepare_folder(path)
+    fd = os.open(path.with_name(path.name + ".start.lock"), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ServerError(f"{path}: another kvcli has been starting a server here for {timeout:.0f} s") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _last_line(logfile: Path) -> str:
