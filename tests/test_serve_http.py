@@ -183,3 +183,13 @@ def test_serve_http_usage_errors(tmp_path):
     assert_clean_error(run("serve", "--socket", tmp_path / "x.sock", "--http", "8000"), 2, "HOST:PORT")
     assert_clean_error(run("serve", "--socket", tmp_path / "x.sock", "--http", "127.0.0.1:0", "--docs", tmp_path / "nope"), 2, "not a folder")
     assert not (tmp_path / "x.sock").exists()
+
+
+@pytest.mark.parametrize("missing", ["uvicorn", "sse_starlette"])
+def test_serve_http_without_the_serve_extra_says_how_to_install_it(tmp_path, monkeypatch, missing):
+    monkeypatch.setitem(sys.modules, missing, None)  # as if the serve extra were not installed: importing it fails
+    for detach in ([], ["--detach"]):
+        result = run("serve", "--socket", tmp_path / "x.sock", "--http", "127.0.0.1:0", *detach)
+        line = assert_clean_error(result, 1, "the serve extra is not installed", repr(missing))
+        assert "unexpected" not in line and "pip install 'kvcli[serve]'" in result.stderr and ".[serve]'" in result.stderr
+    assert not (tmp_path / "x.sock").exists()  # nothing was started
