@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import time
 
 import pytest
 
@@ -262,3 +263,49 @@ def test_records_of_several_lengths_fit_this_machines_curve():
     far = throughput.estimate(40_000, recs)  # far outside the lengths measured: the nearest records scale the curve
     assert far.seconds == pytest.approx(throughput.curve(40_000) * statistics.median(
         r["seconds"] / throughput.curve(r["tokens"]) for r in recs))
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch, tmp_path):
+    """HF_HUB_OFFLINE unset, a hub endpoint nobody listens on, and an empty local hub cache (returned)."""
+    import socket
+
+    from huggingface_hub import constants
+
+    with socket.socket() as s:  # a port just freed: connecting to it is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+@pytest.mark.parametrize("command", ["prefill", "ask"])
+def test_a_hub_id_not_cached_fails_at_once_when_the_hub_cannot_be_reached(tmp_path, cache, no_weights, unreachable_hub, command):
+    args = [cache.with_suffix(".txt"), "-o", tmp_path / "d.kv"] if command == "prefill" else ["-c", cache, "Q?"]
+    started = time.monotonic()
+    result = run(command, *args, "--model", "kvcli-test/no-such-model", "--no-server")
+    took = time.monotonic() - started
+    line = assert_clean_error(result, 1, "'kvcli-test/no-such-model' is not in the local hub cache", "cannot be reached")
+    assert result.stderr.splitlines() == [line, "hint: pass --model with a local model folder or a .gguf file"]
+    assert took < 15, f"{took:.1f} s: the hub client retried"  # its five retries alone wait 23 s
+
+
+def test_a_hub_id_in_the_local_cache_loads_when_the_hub_cannot_be_reached(tmp_path, tiny_model_dir, unreachable_hub):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = unreachable_hub / "models--kvcli-test--tiny"
+    shutil.copytree(tiny_model_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    doc = tmp_path / "d.txt"
+    doc.write_text(sample_text()[:800], encoding="utf-8")
+    started = time.monotonic()
+    built = run("prefill", doc, "--model", "kvcli-test/tiny", "--no-server")
+    took = time.monotonic() - started
+    assert built.exit_code == 0, built.stderr
+    assert "Retrying" not in built.stderr and "error" not in built.stderr and took < 60, (took, built.stderr)
+    import kvcli
+
+    assert kvcli.read_manifest(tmp_path / "d.kv").model["source"]["id"] == "kvcli-test/tiny"
