@@ -167,17 +167,44 @@ def test_a_prefill_records_its_speed_and_count_uses_it(tmp_path, tiny_model_dir,
     doc = tmp_path / "d.txt"
     doc.write_text(sample_text()[:2500], encoding="utf-8")
     before = json_lines(run("count", doc, "--model", tiny_model_dir, "--json").stdout)[0]
-    assert before["prefill_s_basis"] == throughput.ROUGH_BASIS
+    assert before["prefill_s_basis"] == throughput.ROUGH_BASIS and before["prefill_s_estimate"] is None
+    assert before["prefill_s_reason"] == "no prefill of this model recorded on this machine yet"
     built = run("prefill", doc, "--model", tiny_model_dir, "-o", tmp_path / "d.kv", "--no-server")
     assert built.exit_code == 0, built.stderr
-    (rec,) = throughput.records({"kind": "folder", "path": str(tiny_model_dir.resolve())}, "float32", "cpu")
+    source = {"kind": "folder", "path": str(tiny_model_dir.resolve())}
+    (rec,) = throughput.records(source, "float32", "cpu")
     assert rec["tokens"] == kvcli.read_manifest(tmp_path / "d.kv").num_tokens == before["tokens"]
-    after = run("count", doc, "--model", tiny_model_dir, "--json")
-    (c,) = json_lines(after.stdout)
+    (c,) = json_lines(run("count", doc, "--model", tiny_model_dir, "--json").stdout)
     assert c["prefill_s_basis"] == "1 prefill on this machine" and c["prefill_s_error"] is None
+    assert c["prefill_s_estimate"] is None and "3 are needed" in c["prefill_s_reason"]  # its error is not known yet
+    for _ in range(2):  # two more prefills as long and as fast: the records agree, so the estimate is stated
+        throughput.record(source, "float32", "cpu", rec["tokens"], rec["seconds"])
+    (c,) = json_lines(run("count", doc, "--model", tiny_model_dir, "--json").stdout)
     assert c["prefill_s_estimate"] == pytest.approx(rec["seconds"])  # same length: the measured time itself
+    assert c["prefill_s_error"] == pytest.approx(0, abs=1e-3) and c["prefill_s_reason"] is None
     human = run("count", doc, "--model", tiny_model_dir)
-    assert "1 prefill on this machine" in human.stderr and counting.LIGHT in human.stderr
+    assert "3 prefills on this machine" in human.stderr and counting.LIGHT in human.stderr and "±0%" in human.stdout
+
+
+def test_an_estimate_is_stated_only_within_30_percent(tmp_path, tiny_model_dir, monkeypatch):
+    within = throughput.estimate(2000, [_rec(2000, f * throughput.curve(2000)) for f in (0.8, 1.0, 1.25)])
+    assert within.error == pytest.approx(0.25) and within.withheld is None
+    far = [_rec(2000, f * throughput.curve(2000)) for f in (0.5, 1.0, 2.35)]
+    assert throughput.estimate(2000, far).error == pytest.approx(1.35)
+    assert throughput.estimate(2000, far).withheld == "3 prefills on this machine miss by up to 135%, more than ±30%"
+    monkeypatch.setenv("KVCLI_HOME", str(tmp_path))
+    doc = tmp_path / "d.txt"
+    doc.write_text(sample_text()[:2500], encoding="utf-8")
+    (c,) = json_lines(run("count", doc, "--model", tiny_model_dir, "--json").stdout)
+    source = {"kind": "folder", "path": str(tiny_model_dir.resolve())}
+    for f in (0.5, 1.0, 2.35):  # records of this length that disagree with one another
+        throughput.record(source, "float32", "cpu", c["tokens"], f * 10.0)
+    (c,) = json_lines(run("count", doc, "--model", tiny_model_dir, "--json").stdout)
+    assert c["prefill_s_estimate"] is None and c["prefill_s_error"] == pytest.approx(1.35)
+    assert c["prefill_s_reason"] == "3 prefills on this machine miss by up to 135%, more than ±30%"
+    human = run("count", doc, "--model", tiny_model_dir)
+    assert human.exit_code == 0 and "no estimate yet" in human.stdout and "±" not in human.stdout
+    assert "prefill time: no estimate yet (3 prefills on this machine miss by up to 135%" in human.stderr
 
 
 # ---- a refused request loads nothing
