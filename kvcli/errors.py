@@ -41,6 +41,10 @@ class GenerationError(KvcliError):
     """Answering failed for a reason other than the cache (e.g. the prompt outgrows the model)."""
 
 
+class PromptTooLongError(GenerationError):
+    """The prompt (document, any earlier turns, the question) needs every position the model has, or more."""
+
+
 class CacheError(KvcliError):
     """A cache is missing, corrupt, of an unknown format, or does not fit the model: rebuild it."""
 
