@@ -6,6 +6,11 @@ from __future__ import annotations
 CHECK_DIFFERS_EXIT = 4
 
 
+def extra_hint(what: str, extra: str) -> str:
+    """The hint for an optional extra that is not installed: what needs it, and the line that installs it."""
+    return f"{what} need the optional extra: pip install 'kvcli[{extra}]' (in a checkout: pip install -c constraints.txt -e '.[{extra}]')"
+
+
 class KvcliError(Exception):
     """Base of every error kvcli reports to a user: a one-line message and an exit code."""
 
@@ -34,6 +39,10 @@ class ModelError(KvcliError):
 
 class GenerationError(KvcliError):
     """Answering failed for a reason other than the cache (e.g. the prompt outgrows the model)."""
+
+
+class PromptTooLongError(GenerationError):
+    """The prompt (document, any earlier turns, the question) needs every position the model has, or more."""
 
 
 class CacheError(KvcliError):

@@ -57,6 +57,7 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
                 emit({"event": "warning", "message": warning, "about": "cache"})
             history = history_for(session)
             for q in questions:
+                session.check_prompt(q, history, options)  # a prompt that does not fit: refused before any answer begins
                 warning = room_warning(session, shown(path), q, history, options.max_new_tokens)
                 if warning:
                     emit({"event": "warning", "message": warning})

@@ -12,13 +12,13 @@ from .output import Output, human_bytes
 
 
 def timing(a: dict[str, Any]) -> str:
-    """The summary line after an answer: tokens, seconds, first token, rate, and whether --max-new-tokens cut it."""
+    """The summary line after an answer: tokens, seconds, first token, rate, and whether it was cut short."""
     n = len(a["answer_token_ids"])
     total, ttft = a["total_s"], a.get("ttft_s")
     rate = (n - 1) / (total - ttft) if n > 1 and ttft is not None and total > ttft else None
     first = f", first token {ttft:.2f} s" if ttft is not None else ""
     line = f"{n} tokens in {total:.1f} s{first}" + (f", {rate:.1f} tokens/s" if rate else "")
-    return line + (" (stopped at --max-new-tokens)" if a["finish_reason"] == "length" else "")
+    return line + (" (cut short)" if a["finish_reason"] == "length" else "")
 
 
 def separator(label: str, first: bool) -> str:
@@ -27,25 +27,33 @@ def separator(label: str, first: bool) -> str:
     return ("" if first else "\n") + f"==> {' '.join(label.split())} <==\n"
 
 
-def cut_note(a: dict[str, Any], label: str | None) -> str:
-    """The stderr note for an answer --max-new-tokens cut short (it would otherwise look finished)."""
+def positions_ran_out(a: dict[str, Any], max_new_tokens: int | None) -> bool:
+    """Whether a cut answer stopped short of --max-new-tokens: the model's positions ran out first."""
+    return a.get("finish_reason") == "length" and max_new_tokens is not None and len(a["answer_token_ids"]) < max_new_tokens
+
+
+def cut_note(a: dict[str, Any], label: str | None, max_new_tokens: int | None = None) -> str:
+    """The stderr note for an answer cut short (it would otherwise look finished), naming what cut it."""
     n = len(a["answer_token_ids"])
     which = f"the answer to {' '.join(label.split())!r}" if label else "the answer"
-    return f"kvcli: note: {which} was cut at {n} token{'s' * (n != 1)} (--max-new-tokens); it may be unfinished"
+    cause = "the model's positions ran out" if positions_ran_out(a, max_new_tokens) else "--max-new-tokens"
+    return f"kvcli: note: {which} was cut at {n} token{'s' * (n != 1)} ({cause}); it may be unfinished"
 
 
 class AskRenderer:
     """Renders one ask's events: answers on stdout (plain, NUL-ended or JSON lines), the rest on stderr.
 
-    caches: the caches as the user spelled them (JSON lines name those); served: the JSON lines' flag."""
+    caches: the caches as the user spelled them (JSON lines name those); served: the JSON lines' flag;
+    labelled: name every answer, one question or several (a chat reading its questions from a pipe)."""
 
     def __init__(self, out: Output, caches: Sequence[str], *, questions: int, json_out: bool = False, null: bool = False,
-                 served: bool = False, once: set | None = None):
+                 served: bool = False, once: set | None = None, max_new_tokens: int | None = None, labelled: bool = False):
         self.once = once  # warnings already shown (a served chat: its cache's warnings once, not at every turn)
+        self.max_new_tokens = max_new_tokens
         self.out, self.caches, self.json_out, self.null, self.served = out, list(caches), json_out, null, served
         # headings (terminal) or separator lines (pipe, file) name each of several plain answers; -0 and --json need none
-        self.several = len(self.caches) * questions > 1 and not json_out and not null
-        self.multiple = len(self.caches) * questions > 1
+        self.multiple = len(self.caches) * questions > 1 or labelled
+        self.several = self.multiple and not json_out and not null
         self.answers: list[dict[str, Any]] = []
         self._labels: dict[int, str] = {}  # cache index -> the question now answered there
         self._separated = 0
@@ -84,9 +92,11 @@ class AskRenderer:
                 out.json_line({**a, "served": self.served})
             else:
                 out.write("\0" if self.null else "\n")
-            out.summary(timing(a))
-            if a.get("finish_reason") == "length" and not self.json_out:
-                out.raw_note(cut_note(a, self._label(ev["index"], a.get("question", "")) if self.multiple else None))
+            if a.get("finish_reason") == "length" and not self.json_out:  # one line: the cut, and the timing on a terminal
+                note = cut_note(a, self._label(ev["index"], a.get("question", "")) if self.multiple else None, self.max_new_tokens)
+                out.raw_note(note + (f" ({timing(a).removesuffix(' (cut short)')})" if out.interactive else ""))
+            else:
+                out.summary(timing(a))
         elif kind == "check":
             if not self.json_out:
                 out.note(ev["message"])

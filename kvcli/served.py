@@ -114,16 +114,13 @@ def answers(out: Output, require: Optional[bool]) -> bool:
     return False
 
 
-def chat_turn(out: Output, fields: dict, question: str, cache: str, model: Optional[str], json_out: bool,
-              shown_warnings: Optional[set] = None) -> tuple[int, dict]:
+def chat_turn(out: Output, fields: dict, question: str, cache: str, model: Optional[str], render) -> tuple[int, dict]:
     """One turn of a served chat: (exit code, the fields of the next turn, with the conversation so far as history).
-    shown_warnings: the cache's warnings already printed in this chat (printed once, as in-process)."""
-    from .rendering import AskRenderer
-
-    render = AskRenderer(out, [cache], questions=1, json_out=json_out, served=True, once=shown_warnings)
+    render: the chat's one AskRenderer (every turn's answer is added to its `answers`; warnings shown once)."""
+    before = len(render.answers)
     code = run(out, True, "ask", {**fields, "questions": [question]}, [cache, model], render=render)
-    if code or not render.answers:
+    if code or len(render.answers) == before:
         return code or 1, fields
-    a = render.answers[0]
+    a = render.answers[-1]
     history = [[h["question"], h["answer"]] for h in a.get("history", [])] + [[a["question"], a["answer"]]]
     return 0, {k: v for k, v in fields.items() if not k.startswith("follow_up")} | {"history": history}

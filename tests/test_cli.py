@@ -277,3 +277,16 @@ def test_out_of_range_generation_options_are_usage_errors(cache_dir, args):
 def test_bad_chunk_size_is_a_usage_error(doc_file, tiny_model_dir, tmp_path):
     result = run("prefill", doc_file, "-o", tmp_path / "c.kv", "--model", tiny_model_dir, "--chunk-size", "0")
     assert result.exit_code == 2 and not (tmp_path / "c.kv").exists()
+
+
+def test_each_cut_answer_gets_one_line_on_a_terminal(cache_dir, monkeypatch):
+    from kvcli import output
+
+    monkeypatch.setattr(output, "is_terminal", lambda stream: True)  # stdout and stderr a terminal
+    result = run("ask", "-c", cache_dir, "--max-new-tokens", "4", "--no-server", "First?", "Second?")
+    assert result.exit_code == 0, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 2, lines  # one per answer: the cut and its timing together
+    for question, line in zip(("First?", "Second?"), lines):
+        assert line.startswith(f"kvcli: note: the answer to {question!r} was cut at 4 tokens (--max-new-tokens)")
+        assert line.endswith(")") and "4 tokens in " in line

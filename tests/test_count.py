@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import time
 
 import pytest
 
@@ -166,17 +167,44 @@ def test_a_prefill_records_its_speed_and_count_uses_it(tmp_path, tiny_model_dir,
     doc = tmp_path / "d.txt"
     doc.write_text(sample_text()[:2500], encoding="utf-8")
     before = json_lines(run("count", doc, "--model", tiny_model_dir, "--json").stdout)[0]
-    assert before["prefill_s_basis"] == throughput.ROUGH_BASIS
+    assert before["prefill_s_basis"] == throughput.ROUGH_BASIS and before["prefill_s_estimate"] is None
+    assert before["prefill_s_reason"] == "no prefill of this model recorded on this machine yet"
     built = run("prefill", doc, "--model", tiny_model_dir, "-o", tmp_path / "d.kv", "--no-server")
     assert built.exit_code == 0, built.stderr
-    (rec,) = throughput.records({"kind": "folder", "path": str(tiny_model_dir.resolve())}, "float32", "cpu")
+    source = {"kind": "folder", "path": str(tiny_model_dir.resolve())}
+    (rec,) = throughput.records(source, "float32", "cpu")
     assert rec["tokens"] == kvcli.read_manifest(tmp_path / "d.kv").num_tokens == before["tokens"]
-    after = run("count", doc, "--model", tiny_model_dir, "--json")
-    (c,) = json_lines(after.stdout)
+    (c,) = json_lines(run("count", doc, "--model", tiny_model_dir, "--json").stdout)
     assert c["prefill_s_basis"] == "1 prefill on this machine" and c["prefill_s_error"] is None
+    assert c["prefill_s_estimate"] is None and "3 are needed" in c["prefill_s_reason"]  # its error is not known yet
+    for _ in range(2):  # two more prefills as long and as fast: the records agree, so the estimate is stated
+        throughput.record(source, "float32", "cpu", rec["tokens"], rec["seconds"])
+    (c,) = json_lines(run("count", doc, "--model", tiny_model_dir, "--json").stdout)
     assert c["prefill_s_estimate"] == pytest.approx(rec["seconds"])  # same length: the measured time itself
+    assert c["prefill_s_error"] == pytest.approx(0, abs=1e-3) and c["prefill_s_reason"] is None
     human = run("count", doc, "--model", tiny_model_dir)
-    assert "1 prefill on this machine" in human.stderr and counting.LIGHT in human.stderr
+    assert "3 prefills on this machine" in human.stderr and counting.LIGHT in human.stderr and "±0%" in human.stdout
+
+
+def test_an_estimate_is_stated_only_within_30_percent(tmp_path, tiny_model_dir, monkeypatch):
+    within = throughput.estimate(2000, [_rec(2000, f * throughput.curve(2000)) for f in (0.8, 1.0, 1.25)])
+    assert within.error == pytest.approx(0.25) and within.withheld is None
+    far = [_rec(2000, f * throughput.curve(2000)) for f in (0.5, 1.0, 2.35)]
+    assert throughput.estimate(2000, far).error == pytest.approx(1.35)
+    assert throughput.estimate(2000, far).withheld == "3 prefills on this machine miss by up to 135%, more than ±30%"
+    monkeypatch.setenv("KVCLI_HOME", str(tmp_path))
+    doc = tmp_path / "d.txt"
+    doc.write_text(sample_text()[:2500], encoding="utf-8")
+    (c,) = json_lines(run("count", doc, "--model", tiny_model_dir, "--json").stdout)
+    source = {"kind": "folder", "path": str(tiny_model_dir.resolve())}
+    for f in (0.5, 1.0, 2.35):  # records of this length that disagree with one another
+        throughput.record(source, "float32", "cpu", c["tokens"], f * 10.0)
+    (c,) = json_lines(run("count", doc, "--model", tiny_model_dir, "--json").stdout)
+    assert c["prefill_s_estimate"] is None and c["prefill_s_error"] == pytest.approx(1.35)
+    assert c["prefill_s_reason"] == "3 prefills on this machine miss by up to 135%, more than ±30%"
+    human = run("count", doc, "--model", tiny_model_dir)
+    assert human.exit_code == 0 and "no estimate yet" in human.stdout and "±" not in human.stdout
+    assert "prefill time: no estimate yet (3 prefills on this machine miss by up to 135%" in human.stderr
 
 
 # ---- a refused request loads nothing
@@ -262,3 +290,49 @@ def test_records_of_several_lengths_fit_this_machines_curve():
     far = throughput.estimate(40_000, recs)  # far outside the lengths measured: the nearest records scale the curve
     assert far.seconds == pytest.approx(throughput.curve(40_000) * statistics.median(
         r["seconds"] / throughput.curve(r["tokens"]) for r in recs))
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch, tmp_path):
+    """HF_HUB_OFFLINE unset, a hub endpoint nobody listens on, and an empty local hub cache (returned)."""
+    import socket
+
+    from huggingface_hub import constants
+
+    with socket.socket() as s:  # a port just freed: connecting to it is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+@pytest.mark.parametrize("command", ["prefill", "ask"])
+def test_a_hub_id_not_cached_fails_at_once_when_the_hub_cannot_be_reached(tmp_path, cache, no_weights, unreachable_hub, command):
+    args = [cache.with_suffix(".txt"), "-o", tmp_path / "d.kv"] if command == "prefill" else ["-c", cache, "Q?"]
+    started = time.monotonic()
+    result = run(command, *args, "--model", "kvcli-test/no-such-model", "--no-server")
+    took = time.monotonic() - started
+    line = assert_clean_error(result, 1, "'kvcli-test/no-such-model' is not in the local hub cache", "cannot be reached")
+    assert result.stderr.splitlines() == [line, "hint: pass --model with a local model folder or a .gguf file"]
+    assert took < 15, f"{took:.1f} s: the hub client retried"  # its five retries alone wait 23 s
+
+
+def test_a_hub_id_in_the_local_cache_loads_when_the_hub_cannot_be_reached(tmp_path, tiny_model_dir, unreachable_hub):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = unreachable_hub / "models--kvcli-test--tiny"
+    shutil.copytree(tiny_model_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    doc = tmp_path / "d.txt"
+    doc.write_text(sample_text()[:800], encoding="utf-8")
+    started = time.monotonic()
+    built = run("prefill", doc, "--model", "kvcli-test/tiny", "--no-server")
+    took = time.monotonic() - started
+    assert built.exit_code == 0, built.stderr
+    assert "Retrying" not in built.stderr and "error" not in built.stderr and took < 60, (took, built.stderr)
+    import kvcli
+
+    assert kvcli.read_manifest(tmp_path / "d.kv").model["source"]["id"] == "kvcli-test/tiny"

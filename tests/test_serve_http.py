@@ -22,7 +22,7 @@ from kvcli.engine.prompt.conversation import Chat  # noqa: E402
 from kvcli.serve import http  # noqa: E402
 from kvcli.serve.docs import WarmProvider  # noqa: E402
 from tests.conftest import sample_text  # noqa: E402
-from tests.helpers import assert_clean_error, json_lines, run  # noqa: E402
+from tests.helpers import assert_clean_error, json_lines, piped, run  # noqa: E402
 from tests.serve_helpers import ThreadServer, short_dir  # noqa: E402
 
 Q1, Q2, Q3 = "What is the Licensor?", "And the Licensee?", "Say it again."
@@ -118,7 +118,7 @@ def test_chat_goes_through_the_server(world, here):
     assert rows[2]["history"] == [{"question": Q1, "answer": expected[0].answer}, {"question": Q2, "answer": expected[1].answer}]
     assert _served(world)["a.kv"] == before + 3
     plain = run("chat", "--cache", "docs/a.kv", "--max-new-tokens", 8, input=f"{Q1}\n{Q2}\n")
-    assert plain.stdout == expected[0].answer + "\n" + expected[1].answer + "\n"
+    assert plain.stdout == piped([{"question": a.question, "answer": a.answer} for a in expected[:2]])  # labelled, as in-process
     alone = run("chat", "--no-server", "--cache", "docs/a.kv", "--max-new-tokens", 8, "--json", input=f"{Q1}\n{Q2}\n")
     assert [r["answer"] for r in json_lines(alone.stdout)] == [r["answer"] for r in rows[:2]]
     assert not any(r["served"] for r in json_lines(alone.stdout))
@@ -183,3 +183,13 @@ def test_serve_http_usage_errors(tmp_path):
     assert_clean_error(run("serve", "--socket", tmp_path / "x.sock", "--http", "8000"), 2, "HOST:PORT")
     assert_clean_error(run("serve", "--socket", tmp_path / "x.sock", "--http", "127.0.0.1:0", "--docs", tmp_path / "nope"), 2, "not a folder")
     assert not (tmp_path / "x.sock").exists()
+
+
+@pytest.mark.parametrize("missing", ["uvicorn", "sse_starlette"])
+def test_serve_http_without_the_serve_extra_says_how_to_install_it(tmp_path, monkeypatch, missing):
+    monkeypatch.setitem(sys.modules, missing, None)  # as if the serve extra were not installed: importing it fails
+    for detach in ([], ["--detach"]):
+        result = run("serve", "--socket", tmp_path / "x.sock", "--http", "127.0.0.1:0", *detach)
+        line = assert_clean_error(result, 1, "the serve extra is not installed", repr(missing))
+        assert "unexpected" not in line and "pip install 'kvcli[serve]'" in result.stderr and ".[serve]'" in result.stderr
+    assert not (tmp_path / "x.sock").exists()  # nothing was started

@@ -16,8 +16,8 @@ import pytest
 import kvcli
 from kvcli.serve import client
 from tests.conftest import sample_text
-from tests.helpers import json_lines, run
-from tests.serve_helpers import kvcli_cmd, short_dir, start_server, wait_gone
+from tests.helpers import assert_clean_error, json_lines, run
+from tests.serve_helpers import ThreadServer, kvcli_cmd, short_dir, start_server, wait_gone
 
 LONG = 80  # answer tokens: long enough that a signal sent after the first bytes lands mid-answer
 
@@ -130,6 +130,17 @@ def test_detach_and_idle_timeout(life, monkeypatch):
     finally:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_detach_says_why_the_server_exited(monkeypatch):
+    sock = short_dir() / "kv.sock"
+    running = ThreadServer(sock)  # holds the socket's lock: a second server exits at once, saying why in serve.log
+    try:
+        result = run("serve", "--detach", "--socket", sock)
+        line = assert_clean_error(result, 1, "exited with code 1 before answering", f"already running here (pid {os.getpid()})")
+        assert line.count(str(sock)) == 1 and "hint: kvcli serve --stop stops it" in result.stderr
+    finally:
+        running.close()
 
 
 def _alive(pid: int) -> bool:

@@ -14,8 +14,8 @@ from ..output import Output
 from ..rendering import AskRenderer
 from .app import command
 from .common import gather_questions, local_cache, read_answer_json, shown
-from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, QuietOpt, RevisionOpt, SeedOpt, ServerOpt,
-                      TemperatureOpt, TopPOpt, TrustOpt)
+from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
+                      RepetitionPenaltyOpt, RevisionOpt, SeedOpt, ServerOpt, TemperatureOpt, TopPOpt, TrustOpt)
 
 
 @command
@@ -26,8 +26,8 @@ def ask(
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most answer tokens.")] = 256,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
-    repetition_penalty: Annotated[float, typer.Option(min=0.0, metavar="R", help="Above 1 makes tokens already in the prompt or answer less likely (generate()'s own; 1: off).")] = 1.0,
-    no_repeat_ngram_size: Annotated[int, typer.Option(min=0, metavar="N", help="Never repeat an N-token sequence of the prompt or answer (0: off).")] = 0,
+    repetition_penalty: RepetitionPenaltyOpt = 1.0,
+    no_repeat_ngram_size: NoRepeatNgramOpt = 0,
     seed: SeedOpt = None,
     stop: Annotated[list[str], typer.Option(metavar="TEXT", help="End the answer at this string (repeatable).", show_default=False)] = [],  # noqa: B006
     model: CacheModelOpt = None,
@@ -71,7 +71,8 @@ def ask(
         if earlier is not None:
             fields.update(follow_up=earlier, follow_up_name=str(follow_up))
 
-        render = AskRenderer(out, [str(c) for c in cache], questions=len(qs), json_out=json_out, null=null, served=True)
+        render = AskRenderer(out, [str(c) for c in cache], questions=len(qs), json_out=json_out, null=null, served=True,
+                             max_new_tokens=max_new_tokens)
         code = served.run(out, server, "ask", fields, [*(str(Path(c)) for c in cache), model], render=render)
         if code is not None:
             return code
@@ -95,7 +96,7 @@ def ask(
     def history_for(session) -> list:
         return conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier is not None else []
 
-    render = AskRenderer(out, [shown(c) for c in cache], questions=len(qs), json_out=json_out, null=null)
+    render = AskRenderer(out, [shown(c) for c in cache], questions=len(qs), json_out=json_out, null=null, max_new_tokens=max_new_tokens)
     return ask_events(open_session, cache, qs, opts, emit=render, history_for=history_for, batch_size=batch_size, check=check,
                       stream=not json_out, shown=shown)
 

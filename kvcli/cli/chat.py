@@ -1,19 +1,24 @@
-"""kvcli chat: a conversation about one cached document, a question per line (library: engine.conversation)."""
+"""kvcli chat: a conversation about one cached document, a question per line (library: engine.conversation).
+
+Questions from a pipe get their answers labelled as ask labels several (`==> Q <==`). A conversation that fills
+the model's positions ends the chat (exit 0, the reason on stderr), in-process and served alike."""
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Annotated
 
 import typer
 
 from .. import served
-from ..errors import UsageError
-from ..output import Output
+from ..errors import PromptTooLongError, UsageError
+from ..output import Output, is_terminal
+from ..rendering import AskRenderer, positions_ran_out
 from .app import command
 from .common import local_cache, read_answer_json, shown
-from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, QuietOpt, RevisionOpt, SeedOpt, ServerOpt,
-                      TemperatureOpt, TopPOpt, TrustOpt)
+from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
+                      RepetitionPenaltyOpt, RevisionOpt, SeedOpt, ServerOpt, TemperatureOpt, TopPOpt, TrustOpt)
 
 
 @command
@@ -22,6 +27,8 @@ def chat(
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens per answer.")] = 256,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
+    repetition_penalty: RepetitionPenaltyOpt = 1.0,
+    no_repeat_ngram_size: NoRepeatNgramOpt = 0,
     seed: SeedOpt = None,
     stop: Annotated[list[str], typer.Option(metavar="TEXT", help="End an answer at this string (repeatable).", show_default=False)] = [],  # noqa: B006
     follow_up: FollowUpOpt = None,
@@ -43,9 +50,14 @@ def chat(
 
     check_trust(trust_remote_code, model)
     earlier = read_answer_json(follow_up) if follow_up else None
-    options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop)}
+    options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
+               "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size}
     checked = check_options(options)
     from ..remote import is_url
+
+    def renderer(**served_args) -> AskRenderer:  # one per chat, as in-process and served print alike
+        return AskRenderer(out, [shown(cache)], questions=1, json_out=json_out, max_new_tokens=max_new_tokens,
+                           labelled=not is_terminal(sys.stdin), **served_args)
 
     if server is not False and not is_url(cache) and served.answers(out, server):  # the conversation goes through the running server
         fields = {"caches": [os.path.abspath(cache)], "options": options, "model": served.client_model(model), "revision": revision,
@@ -53,12 +65,19 @@ def chat(
                   "stream": not json_out}
         if earlier is not None:
             fields.update(follow_up=earlier, follow_up_name=str(follow_up))
-        shown_warnings: set[str] = set()  # the cache's warnings once per chat, as in-process (each turn is a request)
+        render = renderer(served=True, once=set())  # once: the cache's warnings once per chat (each turn is a request)
         while (line := out.read_line("> ")) is not None:
             if line.strip():
-                code, fields = served.chat_turn(out, fields, line, str(cache), model, json_out, shown_warnings)
+                try:
+                    code, fields = served.chat_turn(out, fields, line, str(cache), model, render)
+                except PromptTooLongError as exc:
+                    if not (fields.get("history") or fields.get("follow_up")):
+                        raise
+                    return _full(out, str(exc).removeprefix("question too long: "))
                 if code:
                     raise typer.Exit(code)
+                if positions_ran_out(render.answers[-1], max_new_tokens):
+                    return _full(out, "the last answer used the model's last positions")
         return 0
     from ..engine import answer as an
     from ..engine.prompt import conversation
@@ -74,16 +93,30 @@ def chat(
     for warning in session.warnings:
         out.warn(warning)
     talk = conversation.Chat(session, conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier else ())
-    from ..rendering import AskRenderer
-
-    render = AskRenderer(out, [shown(cache)], questions=1, json_out=json_out)  # as a served chat renders its answers
     from ..events import room_warning
 
+    render = renderer()
     while (line := out.read_line("> ")) is not None:
-        if line.strip():
-            warning = room_warning(session, shown(cache), line, talk.history, opts.max_new_tokens)  # as a served turn warns
-            if warning:
-                render({"event": "warning", "message": warning})
-            a = talk.ask(line, opts, on_text=None if json_out else out.write)
-            render({"event": "answer", "index": 0, "answer": a.to_json()})
+        if not line.strip():
+            continue
+        try:  # as a served turn: a prompt that does not fit is refused before the answer begins
+            session.check_prompt(line, talk.history, opts)
+        except PromptTooLongError as exc:
+            if not talk.history:
+                raise
+            return _full(out, str(exc).removeprefix("question too long: "))
+        warning = room_warning(session, shown(cache), line, talk.history, opts.max_new_tokens)  # as a served turn warns
+        if warning:
+            render({"event": "warning", "message": warning})
+        render({"event": "begin", "index": 0, "question": line, "cache": str(cache)})
+        a = talk.ask(line, opts, on_text=None if json_out else lambda t: render({"event": "text", "text": t}))
+        render({"event": "answer", "index": 0, "answer": a.to_json()})
+        if positions_ran_out(render.answers[-1], max_new_tokens):
+            return _full(out, "the last answer used the model's last positions")
+    return 0
+
+
+def _full(out: Output, why: str) -> int:
+    """End a chat whose conversation fills the model: no later question can fit."""
+    out.note(f"kvcli: note: the conversation is full ({why}); the chat ends here")
     return 0

@@ -52,11 +52,10 @@ def count(
                           room, _seconds(c.prefill_s_estimate, c.prefill_s_error))
         out.table(table)
     limit = f"{counter.max_positions:,} positions" if counter.max_positions else "no position limit"
-    basis = counts[0].prefill_s_basis if counts else ""
-    if counts and counts[0].prefill_s_error is None and counter.records:
-        basis += ", error not known below 3"
-    out.note(f"{counter.dtype}, {limit}; read {counter.loaded}; on-disk size from measured ratios and prefill time "
-             f"from {basis}: estimates")
+    withheld = next((c.prefill_s_reason for c in counts if c.prefill_s_reason), None)
+    times = (f"prefill time: no estimate yet ({withheld})" if withheld else
+             f"prefill time from {counts[0].prefill_s_basis}" if counts else "")
+    out.note(f"{counter.dtype}, {limit}; read {counter.loaded}; estimates: on-disk size from measured ratios, {times}")
     too_long = [c.document for c in counts if not c.fits]
     if too_long:
         out.error(f"{', '.join(too_long)}: too long for the model (prefill would refuse it)")
@@ -66,6 +65,6 @@ def count(
 
 def _seconds(seconds, error) -> str:
     if seconds is None:
-        return "-"
+        return "no estimate yet"
     shown = f"~{seconds:,.1f} s" if seconds < 10 else f"~{seconds:,.0f} s"
     return shown + (f" ±{error:.0%}" if error is not None else "")

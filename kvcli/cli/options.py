@@ -31,4 +31,6 @@ FollowUpOpt = Annotated[Optional[Path], typer.Option("--follow-up", metavar="FIL
 TemperatureOpt = Annotated[float, typer.Option(min=0.0, metavar="T", help="0 for greedy (default).")]
 TopPOpt = Annotated[float, typer.Option(click_type=FloatRange(0.0, 1.0, min_open=True), metavar="P", help="Nucleus sampling threshold (with --temperature).")]
 SeedOpt = Annotated[Optional[int], typer.Option(metavar="S", help="Seed for reproducible sampling.")]
+RepetitionPenaltyOpt = Annotated[float, typer.Option(min=0.0, metavar="R", help="Above 1 makes tokens already in the prompt or answer less likely (generate()'s own; 1: off).")]
+NoRepeatNgramOpt = Annotated[int, typer.Option(min=0, metavar="N", help="Never repeat an N-token sequence of the prompt or answer (0: off).")]
 ConvertDtypeOpt = Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")]

@@ -42,6 +42,7 @@ def serve(
         from ..serve import http
 
         host, port = http.parse_address(http_at)
+        http.require_extra()  # before anything starts, here or detached
         http.check_bind(host, api_key)
         http.allowed_hosts(host, allow_host), http.check_origins(allow_origin)
         docs = [d.resolve() for d in (docs or [Path(".")])]

@@ -70,6 +70,10 @@ class Session:
         limit = self.lm.max_positions
         return None if not limit else limit - len(self.prompt_ids(question, history))
 
+    def check_prompt(self, question: str, history: Sequence[conversation.Exchange] = (), options: GenerationOptions | None = None) -> None:
+        """PromptTooLongError when this question's prompt leaves no position for its answer (before it is asked)."""
+        prompt_room(self.lm, self.prompt_ids(question, history), options or GenerationOptions())
+
     def clock(self) -> float:
         """When a question starts, for its timings: now, less the cache's load while no question has paid for it."""
         with self._clock_lock:

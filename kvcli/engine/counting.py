@@ -35,9 +35,10 @@ class Count:
     max_positions: int | None
     room: int | None  # positions left for a question and its answer
     fits: bool  # room for kvcli's minimum question-and-answer reserve
-    prefill_s_estimate: float | None
+    prefill_s_estimate: float | None  # None unless its records put it within throughput.MAX_ERROR
     prefill_s_basis: str  # "N prefills on this machine", or the rough curve (engine/throughput.py)
     prefill_s_error: float | None  # relative spread of those records around the estimate (3 or more records)
+    prefill_s_reason: str | None  # why no estimate is stated (None when one is)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,8 +93,9 @@ class Counter:
         est = throughput.estimate(n, self.records, self.params)
         return Count(document=document.name, tokens=n, dtype=self.dtype, bytes_raw=raw,
                      bytes_on_disk_estimate=round(raw * DISK_RATIO[self.dtype]), max_positions=self.max_positions,
-                     room=room, fits=room is None or room >= ANSWER_ROOM, prefill_s_estimate=est.seconds,
-                     prefill_s_basis=est.basis, prefill_s_error=est.error)
+                     room=room, fits=room is None or room >= ANSWER_ROOM,
+                     prefill_s_estimate=None if est.withheld else est.seconds, prefill_s_basis=est.basis,
+                     prefill_s_error=est.error, prefill_s_reason=est.withheld)
 
 
 def fit_check(model: str | None = None, *, revision: str | None = None, framing: str = "auto", system: str | None = None,

@@ -4,8 +4,9 @@ and `kvcli count` estimates a document's prefill from the records of the same mo
 A time grows as n * (a + b * n) (per-token work, plus attention over every earlier position). Records of
 lengths that differ enough fit a and b for this machine, used for lengths around them; otherwise the records
 nearest in length set the scale of the reference curve (the median of measured / curve). The records' largest
-miss of the estimator is the error stated (from 3 records on). Without records the curve alone is used, scaled by parameter
-count from the 135M default model on this project's 2-core CPU: a rough figure, said to be one.
+miss of the estimator is its error (from 3 records on). Without records the curve alone is used, scaled by parameter
+count from the 135M default model on this project's 2-core CPU. An estimate is stated only when its error is known
+and within MAX_ERROR; otherwise `withheld` says why not.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ KEEP = 32  # records kept per model, dtype, device and machine
 NEAREST = 5  # records (nearest in length) that set the scale
 SPAN = 1.5  # records whose lengths differ this much fit this machine's own a + b * n, for lengths around them
 ROUGH_BASIS = "a rough curve (the 135M default model on a 2-core CPU, scaled by parameter count)"
+MAX_ERROR = 0.30  # an estimate further off than this, by its own records, is worse than none
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,17 @@ class Estimate:
     basis: str  # "N prefills on this machine" or ROUGH_BASIS
     error: float | None  # the largest relative miss of this estimator on the records used (3 or more), else None
     records: int
+
+    @property
+    def withheld(self) -> str | None:
+        """Why this estimate is not to be stated (None: it is): no records, too few to know its error, or too far off."""
+        if not self.records:
+            return "no prefill of this model recorded on this machine yet"
+        if self.error is None:
+            return f"{self.basis}; 3 are needed to know how far off an estimate is"
+        if self.error > MAX_ERROR:
+            return f"{self.basis} miss by up to {self.error:.0%}, more than ±{MAX_ERROR:.0%}"
+        return None
 
 
 def curve(n: int) -> float:

@@ -17,10 +17,10 @@ from typing import Any, Iterator
 
 from . import READ_ONLY_SCHEMES, scheme
 from ..documents import MAX_DOCUMENT_BYTES, Document, decode
-from ..errors import CacheExistsError, CacheMissingError, DocumentError, KvcliError, UsageError
+from ..errors import CacheExistsError, CacheMissingError, DocumentError, KvcliError, UsageError, extra_hint
 from ..format import manifest as mf
 
-INSTALL_HINT = "object stores need the optional extra: pip install 'kvcli[remote]'"
+INSTALL_HINT = extra_hint("object stores", "remote")
 _USERINFO = re.compile(r"(://)[^/@\s]+@")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from . import protocol
-from ..errors import ServerError
+from ..errors import KvcliError, ServerError
 
 CONNECT_TIMEOUT = 10.0  # seconds to connect and to get the server's first event (a loaded machine can be slow)
 FINAL = ("done", "fail")
@@ -140,8 +140,13 @@ def ping(path: Path, timeout: float = CONNECT_TIMEOUT) -> dict[str, Any] | None:
     return reply if reply and reply.get("event") == "done" else None
 
 
-def failure(ev: dict[str, Any], spell=lambda text: text) -> ServerError:
-    """The error a `fail` event stands for, carrying the exit code the server gave (3 for a cache that does not fit)."""
-    exc = ServerError(spell(str(ev.get("message"))), hint=ev.get("hint"))
+def failure(ev: dict[str, Any], spell=lambda text: text) -> KvcliError:
+    """The error a `fail` event stands for: of the kvcli error class the server named (else ServerError), with the
+    exit code the server gave (3 for a cache that does not fit)."""
+    from .. import errors
+
+    kind = getattr(errors, str(ev.get("error")), None)
+    kind = kind if isinstance(kind, type) and issubclass(kind, KvcliError) else ServerError
+    exc = kind(spell(str(ev.get("message"))), hint=ev.get("hint"))
     exc.exit_code = int(ev.get("exit_code") or 1)
     return exc

@@ -221,7 +221,7 @@ def handle(conn: Connection, warm: Warm, status: Callable[[], dict[str, Any]], s
             conn.send(protocol.fail(f"bad request: {exc}"))
             return "refused"
         except KvcliError as exc:
-            conn.send(protocol.fail(str(exc), exc.exit_code, exc.hint))
+            conn.send(protocol.fail(str(exc), exc.exit_code, exc.hint, type(exc).__name__))
             return "failed"
         conn.send(protocol.event("done", exit_code=code))
         return "done"

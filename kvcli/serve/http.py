@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import CacheError, ConversationError, KvcliError
+from ..errors import CacheError, ConversationError, KvcliError, extra_hint
 from . import openai_api as oa
 from .docs import DocsProvider, Opened, Provider
 from .guard import LOOPBACK_NAMES, allowed_hosts, check_bind, check_origins, is_loopback, parse_address, scrub  # noqa: F401
@@ -293,6 +293,15 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: not_found})
 
 
+def require_extra() -> None:
+    """KvcliError naming the serve extra and how to install it, when one of its packages cannot be imported."""
+    try:
+        import sse_starlette, starlette, uvicorn  # noqa: F401, E401
+    except ImportError as exc:
+        raise KvcliError(f"--http: the serve extra is not installed (no module named {exc.name!r})",
+                         hint=extra_hint("OpenAI-compatible endpoints", "serve")) from None
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """Bind before uvicorn starts, so a taken port is one clear error rather than uvicorn's exit."""
     try:
@@ -303,6 +312,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _server(provider: Provider, sock: socket.socket, api_key: str | None, max_queue: int, **limits):
+    require_extra()
     import uvicorn
 
     host, port = sock.getsockname()[:2]

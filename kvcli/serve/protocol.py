@@ -23,7 +23,8 @@ Events streamed for ask/prefill (mirroring what `kvcli` writes in-process):
   answer {"index", "answer": {...}}  one finished answer (Answer.to_json()), index = cache position
   prefilled {"index", "result": {...}}     one finished prefill
   done {"exit_code"}                 the request finished
-  fail {"message", "hint", "exit_code"}    the request failed as a whole (one error line, exit code)
+  fail {"message", "hint", "exit_code", "error"}   the request failed as a whole (one error line, exit code;
+                                     error: the kvcli.errors class, so a client raises the same kind)
 
 A client that closes its connection cancels its request (generation stops at the next token).
 """
@@ -67,5 +68,5 @@ def event(kind: str, **fields: Any) -> bytes:
     return encode({"event": kind, **fields})
 
 
-def fail(message: str, exit_code: int = 1, hint: str | None = None) -> bytes:
-    return event("fail", message=message, exit_code=exit_code, hint=hint)
+def fail(message: str, exit_code: int = 1, hint: str | None = None, error: str | None = None) -> bytes:
+    return event("fail", message=message, exit_code=exit_code, hint=hint, error=error)

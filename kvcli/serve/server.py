@@ -289,6 +289,7 @@ def detach(path: Path, args: list[str], *, timeout: float = 300.0, env: dict[str
     logfile = log_path()
     logfile.parent.mkdir(parents=True, exist_ok=True)
     with open(logfile, "ab") as log:
+        start = log.tell()  # this server's lines begin here
         proc = subprocess.Popen([sys.executable, "-m", "kvcli", "serve", "--socket", str(path), *args],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
                                 env={**os.environ, **env} if env else None, cwd=cwd)
@@ -296,7 +297,9 @@ def detach(path: Path, args: list[str], *, timeout: float = 300.0, env: dict[str
     while time.monotonic() < deadline:
         code = proc.poll()
         if code is not None:
-            raise ServerError(f"{path}: the server exited with code {code} before answering: {_last_line(logfile)}")
+            reason, hint = _reason(logfile, start)
+            reason = reason.removeprefix(f"{path}: ")
+            raise ServerError(f"{path}: the server exited with code {code} before answering: {reason}", hint=hint or f"its log: {logfile}")
         pong = client.ping(path, timeout=1.0)
         if pong and pong.get("pid") == proc.pid:
             return proc.pid
@@ -326,12 +329,21 @@ def start_lock(path: Path, timeout: float = 330.0) -> Iterator[None]:
         os.close(fd)
 
 
-def _last_line(logfile: Path) -> str:
+def _reason(logfile: Path, start: int) -> tuple[str, str | None]:
+    """Why a server that wrote the log from byte `start` on stopped: its last error line and the hint after it
+    (else its last line, such as a traceback's), without the `kvcli: error: ` prefix."""
     try:
-        lines = [ln for ln in logfile.read_text(errors="replace").splitlines() if ln.strip()]
+        with open(logfile, "rb") as f:
+            f.seek(start)
+            lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
     except OSError:
-        return "(no log)"
-    return lines[-1] if lines else "(empty log)"
+        return "(no log)", None
+    errors = [i for i, ln in enumerate(lines) if ln.startswith("kvcli: error: ")]
+    if not errors:
+        return (lines[-1] if lines else "(nothing in its log)"), None
+    i = errors[-1]
+    hint = lines[i + 1].removeprefix("hint: ") if i + 1 < len(lines) and lines[i + 1].startswith("hint: ") else None
+    return lines[i].removeprefix("kvcli: error: "), hint
 
 
 def stop_server(path: Path, timeout: float = GRACE_S + 10) -> int | None:

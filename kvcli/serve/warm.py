@@ -81,6 +81,9 @@ class Lease:
     def answer_room(self, question: str, history: Any = ()) -> int | None:
         return self.session.answer_room(question, history)
 
+    def check_prompt(self, question: str, history: Any = (), options: Any = None) -> None:
+        self.session.check_prompt(question, history, options)
+
     @property
     def concurrency(self) -> int:
         """Questions that decode together on this document (1: one at a time)."""

