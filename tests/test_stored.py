@@ -1,7 +1,7 @@
 """A GGUF model's 4-bit weights run as stored (--weights q4, engine/model/stored.py): the blocks read as gguf
 reads them, the kernel's rows independent of each other, and on the real default model: every linear run from
 its codes, --check reporting the (approximate) agreement, caches of one arithmetic refused by the other, `info`
-saying which."""
+saying which. Any model's weights quantized at load (--weights q8, and q4 without a GGUF), on tiny models."""
 
 from __future__ import annotations
 
@@ -171,11 +171,145 @@ def test_cli_asks_a_q4_cache_in_its_weights_and_info_says_which(q4_lm, q4_cache)
     assert json.loads(run("info", q4_cache, "--json").stdout)["weights"] == "q4"
 
 
-def test_q4_needs_a_gguf_model(tiny_model_dir, tmp_path):
+def test_q4_weights_quantized_from_float_ones_stay_within_half_a_step():
+    """A model without a GGUF file gets Q4_1-style blocks from its float weights: each weight within half a step."""
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(5))
+    codes, d, m = stored.quantize_q4(w)
+    assert codes.shape == (48, 96) and int(codes.max()) <= 15 and d.shape == m.shape == (48, 3)
+    err = (stored.dequantize(codes, d, m) - w).abs().reshape(48, 3, 32)
+    assert bool((err <= d.float()[..., None] / 2 + 1e-3).all()), float(err.max())
+
+
+def test_q4_on_a_folder_model_quantizes_it_at_load(tiny_model_dir, tmp_path):
     doc = tmp_path / "doc.txt"
-    doc.write_text("A short document.")
-    result = run("prefill", doc, "--model", tiny_model_dir, "--weights", "q4", "--no-server")
-    assert_clean_error(result, ModelError.exit_code, "--weights q4", "only a GGUF model")
+    doc.write_text("A short document about licenses. " * 8)
+    result = run("prefill", doc, "--model", tiny_model_dir, "--weights", "q4", "--no-server", "--quiet")
+    assert result.exit_code == 0, result.stderr
+    info = run("info", tmp_path / "doc.kv")
+    assert info.exit_code == 0 and "q4 (4-bit weights in groups of 32, quantized at load" in info.stdout
+    lm = kvcli.load(str(tiny_model_dir), weights="q4")
+    modules = dict(lm.model.named_modules())
+    assert sum(isinstance(m, stored.Q4Linear) for m in modules.values()) == 7 * 2  # every linear of the 2 layers
+    assert isinstance(lm.model.get_output_embeddings(), stored.Bf16Linear)
+
+
+def _q8_layer(rows: int = 64, cols: int = 96, seed: int = 2) -> tuple[stored.Q8Linear, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w, bias = torch.randn(rows, cols, generator=g), torch.randn(rows, generator=g)
+    return stored.Q8Linear(*stored.quantize_q8(w), bias), w
+
+
+def test_q8_layer_stays_close_to_the_float_layer():
+    """Symmetric int8 per output row: each weight within half a step of its row's scale, so an output within
+    that over its row's inputs (plus bfloat16's rounding of inputs and outputs)."""
+    layer, w = _q8_layer()
+    assert layer.codes.dtype == torch.int8 and layer.scales.shape == (64,)
+    step = layer.scales.float()[:, None]
+    assert bool(((layer.codes.float() * step - w).abs() <= step / 2 + 1e-6).all())
+    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(4))
+    exact = x @ w.t() + layer.bias
+    for rows in (x[:1, :1], x):  # one row (the int8 kernel) and 15 (wide: float32 products of the same values)
+        y = layer(rows)
+        assert y.shape == (*rows.shape[:-1], 64) and y.dtype == torch.float32
+        ref = exact[: rows.shape[0], : rows.shape[1]]
+        bound = (x.abs()[: rows.shape[0], : rows.shape[1]].sum(-1, keepdim=True) * layer.scales.float() / 2
+                 + 2e-2 * ref.abs() + 0.05)
+        assert bool(((y - ref).abs() <= bound).all()), float((y - ref).abs().max())
+        assert float((y - ref).abs().mean()) < 0.05 * float(ref.abs().mean())
+
+
+def test_q8_rows_do_not_depend_on_each_other_and_both_paths_agree():
+    """A prompt in chunks and in one pass: each row's output is its own on either path, and the wide path's
+    float32 products of the same bfloat16 values round to the kernel's results but for a rare last bit."""
+    layer, _ = _q8_layer()
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(6))
+    whole = layer(x)  # wide
+    for a, b in ((0, 17), (17, 40), (5, 37)):
+        assert torch.equal(layer(x[a:b]), whole[a:b]), (a, b)
+    narrow = torch.cat([layer(x[i : i + 1]) for i in range(40)])  # the int8 kernel, one row at a time
+    assert torch.equal(torch.cat([layer(x[i : i + 8]) for i in range(0, 40, 8)]), narrow)
+    ulp = 2.0 ** (torch.floor(torch.log2((narrow - layer.bias).abs().clamp_min(1e-30))) - 7)
+    assert bool(((whole - narrow).abs() <= ulp + 1e-6).all())
+    assert (whole != narrow).float().mean() < 0.05
+
+
+@pytest.fixture(scope="module")
+def q8_tiny(tiny_model_dir):
+    return kvcli.load(str(tiny_model_dir), weights="q8")
+
+
+@pytest.fixture(scope="module")
+def tiny_document(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q8doc") / "doc.txt"
+    path.write_text((SAMPLES / "document.txt").read_text()[:1200])
+    return path
+
+
+def test_q8_load_replaces_every_linear_and_records_it(q8_tiny):
+    modules = dict(q8_tiny.model.named_modules())
+    assert sum(isinstance(m, stored.Q8Linear) for m in modules.values()) == 7 * 2 + 1  # and the output layer
+    assert not any(type(m) is torch.nn.Linear for m in modules.values())
+    assert q8_tiny.weights == "q8" and q8_tiny.source["weights"] == "q8"
+    assert stored.linear_dtype(q8_tiny.model) == torch.bfloat16
+
+
+def test_q8_caches_and_float_caches_are_refused_by_the_other(q8_tiny, tiny_model_dir, tiny_document, tmp_path):
+    doc = kvcli.read_document(tiny_document)
+    q8_cache, float_cache = tmp_path / "q8.kv", tmp_path / "float.kv"
+    kvcli.prefill(q8_tiny, doc, q8_cache)
+    float_lm = kvcli.load(str(tiny_model_dir))
+    kvcli.prefill(float_lm, doc, float_cache)
+    with pytest.raises(CacheMismatchError, match="weights .cache q8, model float"):
+        kvcli.Session(float_lm, q8_cache)
+    with pytest.raises(CacheMismatchError, match="weights .cache float, model q8"):
+        kvcli.Session(q8_tiny, float_cache)
+
+
+def test_cli_prefills_q8_asks_it_in_its_weights_and_checks_the_agreement(tiny_model_dir, tiny_document, tmp_path):
+    cache = tmp_path / "doc.kv"
+    made = run("prefill", tiny_document, "-o", cache, "--model", tiny_model_dir, "--weights", "q8", "--no-server", "--quiet")
+    assert made.exit_code == 0, made.stderr
+    info = run("info", cache)
+    assert info.exit_code == 0 and "q8 (int8 weights per output channel" in info.stdout
+    assert json.loads(run("info", cache, "--json").stdout)["weights"] == "q8"
+    # ask loads the model the cache's way by itself (no --weights), and --check says it is approximate
+    asked = run("ask", "--cache", cache, "Who is the Licensor?", "--max-new-tokens", "8", "--check", "--json",
+                "--no-server")
+    assert asked.exit_code in (0, 4), asked.stderr
+    (a,) = json_lines(asked.stdout)
+    assert a["check"]["weights"] == "q8" and a["check"]["tokens"] == len(a["answer_token_ids"]) > 0
+    assert 0 <= a["check"]["agreement"] <= 1 and a["check"]["kl_mean"] >= 0
+    plain = run("ask", "--cache", cache, "Who is the Licensor?", "--max-new-tokens", "4", "--check", "--no-server")
+    assert plain.exit_code in (0, 4) and "q8 weights" in plain.stderr and "differences expected" in plain.stderr
+
+
+def test_q8_questions_batch_under_bfloat16s_tolerance(q8_tiny):
+    from kvcli.engine.scheduling import probe
+
+    found = probe.probe(q8_tiny.model)
+    assert found.ok and "bfloat16" in found.reason, found.reason
+
+
+def test_bench_measures_the_q8_weights_and_says_so(q8_tiny, tiny_document, tmp_path):
+    from rich.console import Console
+
+    from kvcli import bench
+
+    result = bench.run(q8_tiny, kvcli.read_document(tiny_document), tokens=[128], questions=1, chunk_size=64,
+                       workdir=tmp_path, answer_tokens=4)
+    assert result["weights"] == "q8"
+    console = Console(record=True, width=200)
+    console.print(bench.render(result))
+    assert "float32, q8 weights" in " ".join(console.export_text().split())  # the title wraps over a narrow table
+
+
+def test_help_names_the_weights_modes():
+    import re
+
+    for command in ("prefill", "bench"):
+        text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", run(command, "--help").stdout).split())
+        assert "--weights <float|q8|q4>" in text, command
+        assert "q8: any model's weights as int8 per output channel" in text, command
 
 
 def test_codes_that_do_not_give_back_the_weights_stop_the_load(default_lm):
@@ -236,9 +370,9 @@ def test_a_served_q4_cache_is_answered_on_q4_weights(q4_lm, q4_cache, monkeypatc
 
 
 @pytest.mark.parametrize("mode, source, device, needle", [
-    ("q8", {"kind": "default"}, "cpu", "--weights q8: choose float or q4"),
-    ("q4", {"kind": "folder", "name": "m"}, "cpu", "only a GGUF model"),
-    ("q4", {"kind": "default"}, "cuda", "runs on the CPU only"),
+    ("q2", {"kind": "default"}, "cpu", "--weights q2: choose float, q8 or q4"),
+    ("q4", {"kind": "default"}, "cuda", "runs on the CPU only .torch.s packed int4 kernel"),
+    ("q8", {"kind": "folder", "name": "m"}, "cuda", "runs on the CPU only .torch.s packed int8 kernel"),
 ])
 def test_a_weights_mode_that_cannot_run_is_refused_before_any_weight_loads(mode, source, device, needle):
     with pytest.raises(ModelError, match=needle):

@@ -24,7 +24,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on 
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Nothing on stderr but errors.")]
 ServerOpt = Annotated[Optional[bool], typer.Option("--server/--no-server", help="Require a running `kvcli serve` / never use one (default: use one, starting it in the background if none runs, unless KVCLI_AUTOSTART=0 or CI is set).", show_default=False)]
 SocketOpt = Annotated[Optional[Path], typer.Option("--socket", metavar="PATH", help="The server's socket (default: $KVCLI_SOCKET, else $KVCLI_HOME/kvcli.sock).", show_default=False)]
-WeightsOpt = Annotated[Literal["float", "q4"], typer.Option(help="float: the weights as transformers dequantizes them; q4: a GGUF model's 4-bit weights as stored, through torch's int4 kernel (CPU; faster decoding, answers of that arithmetic; docs/exactness.md).")]
+WeightsOpt = Annotated[Literal["float", "q8", "q4"], typer.Option(help="float: the weights as transformers dequantizes them; q8: any model's weights as int8 per output channel, through torch's int8 kernel; q4: a GGUF model's 4-bit weights as stored (other models': quantized in groups of 32), through torch's int4 kernel (both CPU, faster decoding, answers of that arithmetic; docs/exactness.md).")]
 CacheDtypeOpt = Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(help="Compute dtype (default: the cache's).")]
 FollowUpOpt = Annotated[Optional[Path], typer.Option("--follow-up", metavar="FILE", help="Continue the conversation of the last line of this `ask --json` output ('-' for stdin).", show_default=False)]
 # sampling options that ask and chat spell alike

@@ -44,7 +44,7 @@ class Check:
     agreement: float = 1.0  # share of compared positions whose top token is the recompute's
     kl_mean: float = 0.0  # mean KL(recompute || cached) of the next-token distributions, in nats
     storage: str = "lossless"  # the cache's storage (manifest): "8-bit"/"4-bit" are lossy, differences expected
-    weights: str = "float"  # the model's (engine/model/stored.py): "q4" is approximate, differences expected
+    weights: str = "float"  # the model's (engine/model/stored.py): "q8", "q4" are approximate, differences expected
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

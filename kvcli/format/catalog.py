@@ -25,7 +25,7 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "num_tokens": m.num_tokens,
         "num_layers": len(m.layers),
         "dtype": m.dtype,
-        "weights": m.weights,  # "q4": computed with a GGUF file's 4-bit weights (engine/model/stored.py)
+        "weights": m.weights,  # "q8", "q4": computed with quantized weights (engine/model/stored.py)
         "bytes_raw": m.bytes_raw,
         "bytes_on_disk": m.bytes_stored,
         "ratio": round(m.bytes_stored / m.bytes_raw, 4) if m.bytes_raw else None,
@@ -50,11 +50,14 @@ def describe_storage(m: Manifest) -> str:
 
 
 WEIGHTS = {"float": "float (as transformers dequantizes them, in the dtype above)",
+           "q8": "q8 (int8 weights per output channel, quantized at load: torch's int8 kernel, bfloat16 activations)",
            "q4": "q4 (the GGUF file's 4-bit weights as stored: torch's int4 kernel, bfloat16 activations)"}
 
 
 def describe_weights(m: Manifest) -> str:
     """One line for `info`: the arithmetic the keys/values were computed with (a model must be loaded the same way)."""
+    if m.weights == "q4" and m.model.get("source", {}).get("kind") not in ("default", "gguf"):
+        return "q4 (4-bit weights in groups of 32, quantized at load: torch's int4 kernel, bfloat16 activations)"
     return WEIGHTS.get(m.weights, str(m.weights))
 
 

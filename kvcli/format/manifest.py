@@ -103,7 +103,7 @@ class Manifest:
 
     @property
     def weights(self) -> str:
-        """The arithmetic that computed the keys/values: "float", or "q4" (engine/model/stored.py)."""
+        """The arithmetic that computed the keys/values: "float", "q8" or "q4" (engine/model/stored.py)."""
         return self.model.get("weights", "float")
 
     @property

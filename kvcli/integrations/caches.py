@@ -81,7 +81,7 @@ def refusal(m: mf.Manifest, engine: EngineModel) -> str | None:
         diffs.append("prompt framing version")
     if m.dtype != engine.dtype:
         diffs.append(f"dtype (cache {m.dtype}, engine {engine.dtype})")
-    if m.weights != "float":  # kvcli's --weights q4: keys/values of arithmetic no engine runs
+    if m.weights != "float":  # kvcli's --weights q8 or q4: keys/values of arithmetic no engine runs
         diffs.append(f"weights (the cache was computed on kvcli's {m.weights} weights; rebuild it with --weights float)")
     if diffs:
         name = want.get("source", {}).get("name") or want.get("name")

@@ -51,7 +51,7 @@ class LoadedModel:
         return self.model.dtype
 
     @property
-    def weights(self) -> str:  # "float", or "q4": a GGUF model's 4-bit weights as stored (stored.py)
+    def weights(self) -> str:  # "float", "q8" or "q4": the linear layers' arithmetic (stored.py)
         return self.fingerprint.get("weights", "float")
 
     @property
@@ -334,8 +334,9 @@ def load(
     """Load model and tokenizer for kvcli; refuse models whose cache kvcli cannot restore exactly.
 
     On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/model/attention.py).
-    weights: "float" (default: as transformers dequantizes them, in `dtype`) or "q4" (a GGUF file's 4-bit weights
-    as stored, engine/model/stored.py); None takes the source's own (a cache's recorded source)."""
+    weights: "float" (default: as transformers dequantizes them, in `dtype`), "q8" (int8 weights quantized at load)
+    or "q4" (a GGUF file's 4-bit weights as stored; other models' quantized at load): engine/model/stored.py; None
+    takes the source's own (a cache's recorded source)."""
     source = dict(source) if source is not None else resolve(model, revision=revision)
     args = hub.load_args(source)  # before torch is imported
     from . import attention, stored
@@ -362,9 +363,14 @@ def load(
     if source["kind"] == "hub":
         source["revision"] = getattr(lm.config, "_commit_hash", None) or source.get("revision")
     fp = fingerprint(lm, tok, _weight_files(source, where), kvcli_home() / "fingerprints")  # of the weights as read
-    if mode == "q4":
+    if mode == "q4" and source["kind"] in ("default", "gguf"):  # the file's own 4-bit codes
         folder = gguf_folders(source["sha256"])[0]
         stored.use_q4(lm, Path(source["path"]), folder.with_name(folder.name + "-q4"))
+    elif mode == "q4":
+        stored.use_q4(lm, None, None)  # quantized from the float weights
+    elif mode == "q8":
+        stored.use_q8(lm)
+    if mode != "float":
         source["weights"] = fp["weights"] = mode  # recorded: a cache of this arithmetic is refused by the other
     page_in(lm)
     return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fp)

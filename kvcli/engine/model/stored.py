@@ -14,7 +14,14 @@ into visible logit differences (docs/exactness.md has the measured agreement). A
 (fingerprint "weights"), is refused by a model loaded the other way, and --check reports the agreement with
 the recompute in numbers, as for a lossy cache. The blocks are checked once against the float weights
 transformers dequantized from the same file: codes that do not give those weights back (layout, row order)
-stop the load.
+stop the load. Any other model (a folder, the hub) gets q4 blocks of the same form quantized at load from its
+float weights, as Q4_1 does it (quantize_q4).
+
+`weights="q8"`, for any model: weight-only int8 quantized at load (quantize_q8: one symmetric scale per output
+channel), run through torch's own `_weight_int8pack_mm` (Q8Linear). torch's dynamic quantization (also 8-bit
+activations) is deprecated, and torchao's int8 weight-only path on the CPU multiplies dequantized weights
+without torch.compile, so neither adds a kernel to this one; bfloat16 activations, as the kernel's float32 path
+is about 8x slower on an AVX2 CPU. Same caveats as q4: approximate, recorded, refused the other way.
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ import torch
 from ...errors import ModelError
 from .linear import weight_first_product
 
-MODES = ("float", "q4")
+MODES = ("float", "q8", "q4")
 GROUP = 32  # weights per Q4_1 block: one scale and one minimum each
 _Q4_1 = 3  # ggml type id (gguf.GGMLQuantizationType.Q4_1)
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
+_INT8_MM = torch.ops.aten._weight_int8pack_mm
 
 
 class Q4Linear(torch.nn.Module):
@@ -84,6 +92,59 @@ class Bf16Linear(torch.nn.Module):
                 self._wide = (self.weight.float(), None if self.bias is None else self.bias.float())
             y = weight_first_product(rows.float(), *self._wide).to(torch.bfloat16)  # [n, out]
         return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+class Q8Linear(torch.nn.Module):
+    """y = x W^T (+ b) with W held as int8 codes and one bfloat16 scale per output row: w = q * scale.
+
+    Up to WIDE rows (decoding) run torch's int8 kernel on bfloat16 inputs; more rows (a prefill chunk, a recompute),
+    where that kernel ran 2x slower than float32 GEMM here, multiply the same bfloat16 inputs by the dequantized
+    weights in float32 (q * scale is exact there) and round to bfloat16 as the kernel does: only the order of the
+    sums differs."""
+
+    WIDE = 16
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("codes", codes)  # [out, in] int8
+        self.register_buffer("scales", scales)  # [out] bfloat16
+        self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out], in x's dtype
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]
+        if rows.shape[0] <= self.WIDE:
+            y = _INT8_MM(rows, self.codes, self.scales)  # [n, out] bfloat16
+        else:
+            weight = self.codes.float() * self.scales.float()[:, None]  # [out, in], made per call: no float copy kept
+            y = torch.mm(rows.float(), weight.T).to(torch.bfloat16)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, q8 (per output channel)"
+
+
+def quantize_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float weights [out, in] -> int8 codes [out, in] in -127..127 and bfloat16 scales [out] (symmetric, per row;
+    the codes are rounded against the bfloat16 scale the kernel multiplies by)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(torch.bfloat16)
+    codes = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float weights [rows, cols] -> Q4_1-style codes [rows, cols] (0..15), d and m [rows, cols/32] float16, as
+    q4_blocks returns them: each block of 32 spans its own min..max in 15 steps."""
+    rows, cols = weight.shape
+    w = weight.detach().float().reshape(rows, cols // GROUP, GROUP)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    d = ((hi - lo) / 15).to(torch.float16)
+    m = lo.to(torch.float16)
+    step = torch.where(d == 0, torch.ones_like(d), d).float()
+    codes = torch.round((w - m.float()[..., None]) / step[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.reshape(rows, cols), d, m
 
 
 def q4_blocks(raw: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -193,27 +254,35 @@ def prepared_blocks(model: Any, gguf_path: Path, folder: Path) -> dict[str, torc
 
 
 def linear_dtype(model: Any) -> torch.dtype:
-    """The dtype the model's linear layers compute in: bfloat16 once use_q4 has packed them, else the model's."""
-    return torch.bfloat16 if any(isinstance(m, Q4Linear) for m in model.modules()) else model.dtype
+    """The dtype the model's linear layers compute in: bfloat16 once use_q4 or use_q8 has replaced them, else the
+    model's."""
+    return torch.bfloat16 if any(isinstance(m, (Q4Linear, Q8Linear)) for m in model.modules()) else model.dtype
 
 
 def check_mode(mode: str, source: dict[str, Any], device: str) -> None:
     """Refuse (ModelError) a weights mode this model or device cannot run, before any weight is read."""
     if mode not in MODES:
-        raise ModelError(f"--weights {mode}: choose {' or '.join(MODES)}")
+        raise ModelError(f"--weights {mode}: choose {', '.join(MODES[:-1])} or {MODES[-1]}")
     if mode == "float":
         return
-    if source["kind"] not in ("default", "gguf"):
-        raise ModelError(f"--weights {mode}: only a GGUF model has weights stored in 4 bits "
-                         f"({source.get('name')} is a {source['kind']} model)")
     if torch.device(device).type != "cpu":
-        raise ModelError(f"--weights {mode} runs on the CPU only (torch's packed int4 kernel for the CPU), not {device}")
+        kernel = "int4" if mode == "q4" else "int8"
+        raise ModelError(f"--weights {mode} runs on the CPU only (torch's packed {kernel} kernel for the CPU), not {device}")
 
 
-def use_q4(model: Any, gguf_path: Path, folder: Path) -> None:
-    """Replace `model`'s Q4_1 linear layers by Q4Linear and its output layer by Bf16Linear, in place (a CPU
-    model: check_mode); other linear layers stay as they are."""
-    blocks = prepared_blocks(model, gguf_path, folder)
+def _pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None) -> Q4Linear:
+    """Q4Linear from codes [rows, cols] and Q4_1's d and m [rows, cols/32]."""
+    rows, cols = codes.shape
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)  # [rows, cols/2]
+    scales_zeros = torch.stack([d.float().t(), (m.float() + 8 * d.float()).t()], dim=-1)  # [cols/32, rows, 2]
+    return Q4Linear(packed, scales_zeros.to(torch.bfloat16).contiguous(), cols, rows, bias)
+
+
+def use_q4(model: Any, gguf_path: Path | None, folder: Path | None) -> None:
+    """Replace `model`'s linear layers by Q4Linear and its output layer by Bf16Linear, in place (a CPU model:
+    check_mode). A GGUF's Q4_1 layers run its own codes (others stay as they are); without a GGUF every linear
+    layer whose inputs come in whole blocks is quantized from its float weights."""
+    blocks = prepared_blocks(model, gguf_path, folder) if gguf_path is not None else None
     output = model.get_output_embeddings()
     with torch.inference_mode():
         for name, module in list(model.named_modules()):
@@ -222,11 +291,18 @@ def use_q4(model: Any, gguf_path: Path, folder: Path) -> None:
             if module is output:
                 model.set_submodule(name, Bf16Linear(module.weight, module.bias))
                 continue
-            if name not in blocks:
-                continue
-            rows, cols = module.out_features, module.in_features
-            codes, d, m = q4_blocks(blocks[name], rows, cols)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)  # [rows, cols/2]
-            scales_zeros = torch.stack([d.float().t(), (m.float() + 8 * d.float()).t()], dim=-1)  # [cols/32, rows, 2]
             bias = module.bias.detach().clone() if module.bias is not None else None
-            model.set_submodule(name, Q4Linear(packed, scales_zeros.to(torch.bfloat16).contiguous(), cols, rows, bias))
+            if blocks is None and module.in_features % GROUP == 0:
+                model.set_submodule(name, _pack_q4(*quantize_q4(module.weight), bias))
+            elif blocks is not None and name in blocks:
+                model.set_submodule(name, _pack_q4(*q4_blocks(blocks[name], module.out_features, module.in_features), bias))
+
+
+def use_q8(model: Any) -> None:
+    """Replace every linear layer of `model`, the output layer too, by Q8Linear quantized from its float weights,
+    in place (a CPU model: check_mode)."""
+    with torch.inference_mode():
+        for name, module in list(model.named_modules()):
+            if isinstance(module, torch.nn.Linear):
+                bias = module.bias.detach().clone() if module.bias is not None else None
+                model.set_submodule(name, Q8Linear(*quantize_q8(module.weight), bias))

@@ -124,7 +124,7 @@ def probe(model: Any) -> Batching:
     ms = (time.perf_counter() - t0) * 1000
     from ..model import stored
 
-    dtype = str(stored.linear_dtype(model)).removeprefix("torch.")  # q4: linears in bfloat16, held to its tolerance
+    dtype = str(stored.linear_dtype(model)).removeprefix("torch.")  # q8, q4: linears in bfloat16, held to its tolerance
     tol = RTOL.get(dtype, 1e-4)
     if ratio <= tol:
         return Batching(True, f"batched and single rows equal the plain forward within {dtype} rounding (largest logit "
@@ -181,7 +181,7 @@ def remembered(lm: Any) -> Batching:
 
 def disk_key(lm: Any) -> str:
     """What a remembered verdict is kept under: weights, config, the arithmetic (attention, dtype, device, and the
-    weights mode when not float: a q4 model batches differently), torch and kvcli versions."""
+    weights mode when not float: a q8 or q4 model batches differently), torch and kvcli versions."""
     import hashlib
     import json
 
