@@ -96,12 +96,14 @@ def run(
     question_list: list[str] | None = None,
     agreement_tokens: int = AGREEMENT_TOKENS,
     answer_tokens: int = ANSWER_TOKENS,
+    decode_tokens: int = DECODE_TOKENS,
 ) -> dict[str, Any]:
     """Measure every length in `tokens` (default: default_sizes; "max": limit_sizes), smallest first; a
     JSON-able dict of seconds, bytes and ratios.
 
     `questions` of `question_list` (default: generic ones) are used, cycled; with kv_bits each quantized
-    format is compared with the lossless cache (answers of up to `agreement_tokens` tokens)."""
+    format is compared with the lossless cache (answers of up to `agreement_tokens` tokens); decode speeds are
+    timed over answers of up to `decode_tokens` tokens."""
     import torch
 
     note = progress or (lambda _msg: None)
@@ -118,8 +120,8 @@ def run(
     for bits in kv_bits:
         if bits not in (8, 4):
             raise UsageError(f"--kv-bits must be 8 or 4, got {bits}")
-    if answer_tokens < 1 or agreement_tokens < 1:
-        raise UsageError("--answer-tokens and --agreement-tokens must be at least 1")
+    if answer_tokens < 1 or agreement_tokens < 1 or decode_tokens < 2:
+        raise UsageError("--answer-tokens and --agreement-tokens must be at least 1, --decode-tokens at least 2")
     pool = list(question_list or QUESTIONS)
     if not pool:
         raise UsageError("no questions to measure with")
@@ -143,6 +145,7 @@ def run(
         "kv_bits": list(kv_bits),
         "agreement_tokens": agreement_tokens,
         "answer_tokens": answer_tokens,
+        "decode_tokens": decode_tokens,
         "sizes": [],
     }
     _warm_up(lm)
@@ -153,8 +156,8 @@ def run(
             path = Path(tmp) / f"doc-{n}.kv"
             own_peak = reset_peak_rss()
             row = _measure(lm, doc, frame, path, qs[:TTFT_QUESTIONS], chunk_size, transform, level, note, answer_tokens)
-            note(f"  decode: {len(batch)} questions batched, {DECODE_TOKENS} answer tokens each")
-            row.update(bench_decode.batched(lm, path, batch))
+            note(f"  decode: {decode_tokens} answer tokens from the cache, one question, then {len(batch)} batched")
+            row.update(bench_decode.one(lm, path, qs[0], decode_tokens), **bench_decode.batched(lm, path, batch, decode_tokens))
             if kv_bits:
                 from . import bench_formats
 
@@ -260,8 +263,6 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
     opts = answer.GenerationOptions(max_new_tokens=answer_tokens)
     row["check"] = check.summarize(session.ask(q, opts, check=True).check for q in qs)
     del session
-    note(f"  decode: {DECODE_TOKENS} answer tokens from the cache")
-    row.update(bench_decode.one(lm, path, qs[0]))
     row["ratios"] = _ratios(row)
     return row
 

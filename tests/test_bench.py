@@ -18,7 +18,7 @@ def test_bench_run_smoke(tiny_lm, tmp_path):
     doc = decode(sample_text()[:800].encode(), "doc.txt")
     seen: list[str] = []
     result = bench.run(tiny_lm, doc, tokens=[96, 48], questions=2, progress=seen.append, chunk_size=32, workdir=tmp_path,
-                       answer_tokens=6)
+                       answer_tokens=6, decode_tokens=4)
     json.dumps(result)  # JSON-able as it is
     assert [r["tokens"] for r in result["sizes"]] == [48, 96]  # sorted; framed ids cut to the length asked
     assert result["weights"] == "float"
@@ -90,7 +90,7 @@ def long_limit_dir(tokenizer, tmp_path_factory):
 
 def test_bench_tokens_max_measures_doubling_lengths_up_to_the_limit(long_limit_dir, tmp_path):
     result = run("bench", SAMPLES / "document.txt", "--tokens", "max", "--model", long_limit_dir, "--questions", "1",
-                 "--answer-tokens", "2", "--json")
+                 "--answer-tokens", "2", "--decode-tokens", "4", "--json")
     assert result.exit_code == 0, result.stderr
     body = json.loads(result.stdout)
     assert [r["tokens_asked"] for r in body["sizes"]] == [1024, 1800 - bench.pf.ANSWER_ROOM]
@@ -101,7 +101,7 @@ def test_bench_tokens_max_measures_doubling_lengths_up_to_the_limit(long_limit_d
                     "batch_ms_per_step", "batch_ms_per_row_token", "peak_rss_bytes"):
             assert r[key] > 0, key
         assert r["ratios"]["ttft_recompute_over_cached"] > 0 and r["batch_questions"] == 8
-    assert "bench: 1,024 tokens" in result.stderr and "8 questions batched" in result.stderr
+    assert "bench: 1,024 tokens" in result.stderr and "then 8 batched" in result.stderr
 
 
 @pytest.mark.parametrize("tokens, needle", [(["max", "1024"], "give it alone"), (["1k"], "got '1k'")])
@@ -115,7 +115,7 @@ def test_bench_kv_bits_reports_size_restore_ttft_and_agreement_per_format(tiny_l
     doc = decode(sample_text()[:800].encode(), "doc.txt")
     qs = ["Who is the licensor?", "What is granted?", "Is there a warranty?"]
     result = bench.run(tiny_lm, doc, tokens=[96], questions=3, chunk_size=32, workdir=tmp_path, kv_bits=[8, 4],
-                       question_list=qs, agreement_tokens=6, answer_tokens=4)
+                       question_list=qs, agreement_tokens=6, answer_tokens=4, decode_tokens=2)
     json.dumps(result)
     assert result["kv_bits"] == [8, 4] and result["questions"] == qs
     formats = result["sizes"][0]["formats"]

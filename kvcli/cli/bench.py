@@ -22,6 +22,7 @@ def bench(
     answer_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Tokens per whole answer compared with a full recompute.")] = 32,
     questions_file: Annotated[list[Path], typer.Option("--questions-file", "-f", metavar="FILE", help="Questions to use, one per line (repeatable; default: generic ones).")] = [],  # noqa: B006
     kv_bits: Annotated[list[int], typer.Option("--kv-bits", metavar="BITS", help="Also measure this quantized format against the lossless cache (8 or 4; repeatable).")] = [],  # noqa: B006
+    decode_tokens: Annotated[int, typer.Option(min=2, metavar="N", help="Answer tokens per question when timing decode (one question, then 8 batched).")] = 64,
     agreement_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="New tokens per answer when measuring a quantized format's agreement.")] = 64,
     model: ModelOpt = None,
     revision: RevisionOpt = None,
@@ -46,7 +47,7 @@ def bench(
     with out.status("loading model"):
         lm = models.load(model, revision=revision, device=device, dtype=dtype, progress=out.note, weights=weights)
     result = bn.run(lm, document, tokens=lengths, questions=questions, progress=out.note, answer_tokens=answer_tokens,
-                    kv_bits=kv_bits, question_list=pool or None, agreement_tokens=agreement_tokens)
+                    decode_tokens=decode_tokens, kv_bits=kv_bits, question_list=pool or None, agreement_tokens=agreement_tokens)
     if json_out:
         out.json_doc(result)
     else:
