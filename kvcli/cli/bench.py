@@ -32,7 +32,8 @@ def bench(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> int:
-    """Measure prefill, restore and time to first token with and without the cache, and sizes."""
+    """Measure prefill, restore, time to first token with and without the cache, decode (one question and 8
+    batched), peak memory and sizes."""
     from .. import bench as bn, documents
     from ..engine.model import models
 
