@@ -7,7 +7,8 @@ For each document length it times, on the same framed token ids:
   (torch.save of the per-layer tensors, torch.load back),
 - time to first answer token for questions with the cache (a fresh Session per question, so the
   restore is included) and without it (generate() recomputing the full prompt),
-- decode speed: answer tokens per second after the first, from the restored cache,
+- decode speed from the restored cache: one question alone, and 8 batched (bench_decode.py),
+- the RSS high-water mark of the process during the length (reset at its start where Linux allows),
 and reports sizes (raw tensor bytes, on disk, naive) and the ratios between all of these. Each question is
 also answered in full (answer_tokens) with the cache and checked against a full recompute (engine/check.py):
 answers identical, first divergent positions, largest logit difference, near-tie margins.
@@ -42,11 +43,12 @@ from .format import store
 from .documents import Document
 from .errors import UsageError
 from .engine.model.models import LoadedModel
-from .bench_timing import RESTORE_REPEATS, TTFT_QUESTIONS
+from .bench_timing import RESTORE_REPEATS, TO_THE_LIMIT, TTFT_QUESTIONS, peak_rss, reset_peak_rss
+from . import bench_decode
+from .bench_decode import BATCH_QUESTIONS, DECODE_TOKENS
 
 DEFAULT_SIZES = (1024, 2048, 4096, 8192)
 ANSWER_TOKENS = 32  # tokens per answer compared with recompute
-DECODE_TOKENS = 64  # answer tokens generated to measure decode speed
 AGREEMENT_TOKENS = 64  # new tokens per reference answer when measuring a quantized format's agreement
 QUESTIONS = (
     "What is this document about, in one sentence?",
@@ -58,22 +60,31 @@ QUESTIONS = (
 Progress = Callable[[str], None]
 
 
+def _doubling(top: int) -> list[int]:
+    """1,024 tokens, doubling while below top, then top itself."""
+    sizes = [DEFAULT_SIZES[0]]
+    while sizes[-1] < top:
+        sizes.append(sizes[-1] * 2)
+    return sizes[:-1] + [top]
+
+
 def default_sizes(lm: LoadedModel) -> list[int]:
     """1k, 2k, 4k, 8k tokens, capped by the model's limit (minus room for a question and answer)."""
     limit = lm.max_positions
-    if not limit:
-        return list(DEFAULT_SIZES)
-    top = limit - pf.ANSWER_ROOM
-    sizes = [n for n in DEFAULT_SIZES if n <= top]
-    if top < DEFAULT_SIZES[-1] and (not sizes or top > sizes[-1]):
-        sizes.append(top)
-    return sizes
+    return _doubling(min(limit - pf.ANSWER_ROOM, DEFAULT_SIZES[-1]) if limit else DEFAULT_SIZES[-1])
+
+
+def limit_sizes(lm: LoadedModel) -> list[int]:
+    """--tokens max: 1k, 2k, 4k, ... doubling, and last the model's limit less room for a question and answer."""
+    if not lm.max_positions:
+        raise UsageError(f"--tokens {TO_THE_LIMIT}: the model sets no position limit; give the lengths (--tokens N)")
+    return _doubling(lm.max_positions - pf.ANSWER_ROOM)
 
 
 def run(
     lm: LoadedModel,
     document: Document,
-    tokens: list[int] | None = None,
+    tokens: list[int] | str | None = None,
     questions: int = 3,
     progress: Progress | None = None,
     *,
@@ -85,15 +96,18 @@ def run(
     question_list: list[str] | None = None,
     agreement_tokens: int = AGREEMENT_TOKENS,
     answer_tokens: int = ANSWER_TOKENS,
+    decode_tokens: int = DECODE_TOKENS,
 ) -> dict[str, Any]:
-    """Measure every length in `tokens` (default: default_sizes); a JSON-able dict of seconds, bytes and ratios.
+    """Measure every length in `tokens` (default: default_sizes; "max": limit_sizes), smallest first; a
+    JSON-able dict of seconds, bytes and ratios.
 
     `questions` of `question_list` (default: generic ones) are used, cycled; with kv_bits each quantized
-    format is compared with the lossless cache (answers of up to `agreement_tokens` tokens)."""
+    format is compared with the lossless cache (answers of up to `agreement_tokens` tokens); decode speeds are
+    timed over answers of up to `decode_tokens` tokens."""
     import torch
 
     note = progress or (lambda _msg: None)
-    sizes = sorted(set(tokens)) if tokens else default_sizes(lm)
+    sizes = limit_sizes(lm) if tokens == TO_THE_LIMIT else sorted(set(tokens)) if tokens else default_sizes(lm)
     limit = lm.max_positions
     for n in sizes:
         if n < 16:
@@ -106,12 +120,13 @@ def run(
     for bits in kv_bits:
         if bits not in (8, 4):
             raise UsageError(f"--kv-bits must be 8 or 4, got {bits}")
-    if answer_tokens < 1 or agreement_tokens < 1:
-        raise UsageError("--answer-tokens and --agreement-tokens must be at least 1")
+    if answer_tokens < 1 or agreement_tokens < 1 or decode_tokens < 2:
+        raise UsageError("--answer-tokens and --agreement-tokens must be at least 1, --decode-tokens at least 2")
     pool = list(question_list or QUESTIONS)
     if not pool:
         raise UsageError("no questions to measure with")
     qs = [pool[i % len(pool)] for i in range(questions)]
+    batch = [pool[i % len(pool)] for i in range(BATCH_QUESTIONS)]
     frame = fr.choose(lm.tokenizer, "auto", None)
     result: dict[str, Any] = {
         "kvcli_version": __version__,
@@ -130,6 +145,7 @@ def run(
         "kv_bits": list(kv_bits),
         "agreement_tokens": agreement_tokens,
         "answer_tokens": answer_tokens,
+        "decode_tokens": decode_tokens,
         "sizes": [],
     }
     _warm_up(lm)
@@ -138,12 +154,18 @@ def run(
             doc = _document_of(lm, frame, document, n)
             note(f"bench: {n:,} tokens")
             path = Path(tmp) / f"doc-{n}.kv"
+            own_peak = reset_peak_rss()
             row = _measure(lm, doc, frame, path, qs[:TTFT_QUESTIONS], chunk_size, transform, level, note, answer_tokens)
+            note(f"  decode: {decode_tokens} answer tokens from the cache, one question, then {len(batch)} batched")
+            row.update(bench_decode.one(lm, path, qs[0], decode_tokens), **bench_decode.batched(lm, path, batch, decode_tokens))
             if kv_bits:
                 from . import bench_formats
 
                 row["formats"] = bench_formats.measure(lm, doc, path, qs, kv_bits, chunk_size=chunk_size, level=level,
                                                        answer_tokens=agreement_tokens, note=note)
+            # the high-water mark since this length began, or (where it cannot be reset) the process's so far
+            row.update(tokens_asked=n, peak_rss_bytes=peak_rss(), peak_rss_scope="length" if own_peak else "process",
+                       load_average_end=_loadavg())
             result["sizes"].append(row)
     return result
 
@@ -241,12 +263,6 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
     opts = answer.GenerationOptions(max_new_tokens=answer_tokens)
     row["check"] = check.summarize(session.ask(q, opts, check=True).check for q in qs)
     del session
-    note(f"  decode: {DECODE_TOKENS} answer tokens from the cache")
-    a = answer.Session(lm, path).ask(qs[0], answer.GenerationOptions(max_new_tokens=DECODE_TOKENS))
-    after_first = len(a.answer_token_ids) - 1
-    row.update(decode_tokens=after_first, decode_s=a.total_s - a.ttft_s,
-               decode_tok_s=after_first / (a.total_s - a.ttft_s) if after_first > 0 else float("nan"))
-    row["load_average_end"] = _loadavg()
     row["ratios"] = _ratios(row)
     return row
 
@@ -336,7 +352,8 @@ def render(result: dict[str, Any]):
              f"{result['torch_threads']} torch threads, chunks of {result['chunk_size']})")
     table = Table(title=title, caption="Cached TTFT includes the restore. Answers: whole greedy answers of "
                   f"{result['answer_tokens']} tokens compared with one forward without cache. Naive: torch.save / torch.load "
-                  "of the same tensors (x: naive over kvcli). Prefill rows: time over one plain forward.")
+                  "of the same tensors (x: naive over kvcli). Prefill rows: time over one plain forward. Peak RSS: "
+                  "the process's high-water mark during that length (process: since it started).")
     table.add_column("tokens", no_wrap=True)
     for r in sizes:
         table.add_column(f"{r['tokens']:,}", justify="right", no_wrap=True)
@@ -347,7 +364,9 @@ def render(result: dict[str, Any]):
         ("  same 1st token", lambda r, q: "yes" if r["first_tokens_match"] else "NO"),
         ("answers = recompute", lambda r, q: f"{r['check']['identical']}/{r['check']['answers']}"),
         ("  max logit diff", lambda r, q: f"{r['check']['max_logit_diff']:.2g}"),
-        ("decode", lambda r, q: f"{r['decode_tok_s']:.1f} tok/s"),
+        ("decode, 1 question", lambda r, q: f"{r['decode_ms_per_token']:.0f} ms/token ({r['decode_tok_s']:.1f} tok/s)"),
+        (f"decode, {BATCH_QUESTIONS} batched", lambda r, q: f"{r['batch_ms_per_step']:.0f} ms/step"),
+        ("  per row-token", lambda r, q: f"{r['batch_ms_per_row_token']:.0f} ms"),
         ("restore", lambda r, q: f"{r['restore_s']:.3f} s"),
         ("  GB/s of raw", lambda r, q: f"{q['restore_gb_per_s']:.2f}"),
         ("raw / on disk", lambda r, q: f"{r['bytes_raw'] / 1e6:,.1f} / {r['bytes_on_disk'] / 1e6:,.1f} MB"),
@@ -356,7 +375,8 @@ def render(result: dict[str, Any]):
         ("naive restore", lambda r, q: f"{q['naive_over_kvcli_restore_s']:.2f}x"),
         ("one forward", lambda r, q: f"{r['plain_prefill_s']:.2f} s"),
         ("  plain chunked", lambda r, q: f"{q['plain_chunked_over_plain']:.2f}x"),
-        ("  kvcli prefill", lambda r, q: f"{q['kvcli_prefill_over_plain']:.2f}x"),
+        ("  kvcli prefill", lambda r, q: f"{q['kvcli_prefill_over_plain']:.2f}x ({r['kvcli_prefill_s']:.2f} s)"),
+        ("peak RSS", lambda r, q: f"{r['peak_rss_bytes'] / 1e6:,.0f} MB" + ("" if r["peak_rss_scope"] == "length" else " (process)")),
     ]
     for label, cell in rows:
         table.add_row(label, *(cell(r, r["ratios"]) for r in sizes))

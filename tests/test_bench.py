@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from kvcli import bench
 from kvcli.documents import decode
-from tests.conftest import sample_text
+from kvcli.errors import UsageError
+from tests.conftest import SAMPLES, sample_text, tiny_llama
+from tests.helpers import assert_clean_error, run
 
 
 def test_bench_run_smoke(tiny_lm, tmp_path):
     doc = decode(sample_text()[:800].encode(), "doc.txt")
     seen: list[str] = []
     result = bench.run(tiny_lm, doc, tokens=[96, 48], questions=2, progress=seen.append, chunk_size=32, workdir=tmp_path,
-                       answer_tokens=6)
+                       answer_tokens=6, decode_tokens=4)
     json.dumps(result)  # JSON-able as it is
     assert [r["tokens"] for r in result["sizes"]] == [48, 96]  # sorted; framed ids cut to the length asked
     assert result["weights"] == "float"
@@ -28,6 +32,11 @@ def test_bench_run_smoke(tiny_lm, tmp_path):
         assert check["answers"] == check["identical"] == 2 and check["first_divergence"] == [None, None]
         assert 0 < check["tokens"] <= 12 and 0 <= check["max_logit_diff"] < 1e-3 and check["divergent_margins"] == []
         assert r["decode_tokens"] > 0 and r["decode_tok_s"] > 0 and r["decode_s"] > 0
+        assert r["decode_ms_per_token"] == pytest.approx(1000 / r["decode_tok_s"])
+        assert r["batch_questions"] == bench.BATCH_QUESTIONS and r["batch_decode_steps"] > 0
+        assert r["batch_decode_steps"] <= r["batch_decode_row_tokens"] <= bench.BATCH_QUESTIONS * r["batch_decode_steps"]
+        assert r["batch_ms_per_step"] >= r["batch_ms_per_row_token"] > 0 and r["batch_decoding"]
+        assert r["peak_rss_bytes"] > 0 and r["peak_rss_scope"] == "length"  # Linux: the mark is reset per length
         assert 0 < r["bytes_shards"] < r["bytes_on_disk"] and r["bytes_raw"] > 0 and r["naive_bytes"] > 0
         for value in r["ratios"].values():
             assert isinstance(value, float) and not math.isnan(value)
@@ -41,6 +50,7 @@ def test_bench_run_smoke(tiny_lm, tmp_path):
     console.print(bench.render(result))
     text = console.export_text()
     assert "speedup" in text and "naive restore" in text and "48" in text and "answers = recompute" in text and "tok/s" in text
+    assert "ms/token" in text and "8 batched" in text and "ms/step" in text and "per row-token" in text and "peak RSS" in text
 
 
 def test_default_sizes_stop_at_the_model_limit(tiny_lm):
@@ -54,11 +64,58 @@ def test_default_sizes_stop_at_the_model_limit(tiny_lm):
     assert bench.default_sizes(Capped()) == [1024, 2048, 4096, 8192]
 
 
+def test_limit_sizes_double_from_1k_up_to_the_model_limit():
+    class Capped:
+        max_positions = 32768
+
+    room = bench.pf.ANSWER_ROOM
+    assert bench.limit_sizes(Capped()) == [1024, 2048, 4096, 8192, 16384, 32768 - room]
+    Capped.max_positions = 8192
+    assert bench.limit_sizes(Capped()) == [1024, 2048, 4096, 8192 - room]
+    Capped.max_positions = 1024 + room
+    assert bench.limit_sizes(Capped()) == [1024]
+    Capped.max_positions = None
+    with pytest.raises(UsageError, match="no position limit"):
+        bench.limit_sizes(Capped())
+
+
+@pytest.fixture(scope="module")
+def long_limit_dir(tokenizer, tmp_path_factory):
+    """A tiny llama folder with 1,800 positions: --tokens max measures 1,024 and 1,800 less the answer room."""
+    folder = tmp_path_factory.mktemp("llama-1800")
+    tiny_llama(len(tokenizer), max_position_embeddings=1800).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_bench_tokens_max_measures_doubling_lengths_up_to_the_limit(long_limit_dir, tmp_path):
+    result = run("bench", SAMPLES / "document.txt", "--tokens", "max", "--model", long_limit_dir, "--questions", "1",
+                 "--answer-tokens", "2", "--decode-tokens", "4", "--json")
+    assert result.exit_code == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert [r["tokens_asked"] for r in body["sizes"]] == [1024, 1800 - bench.pf.ANSWER_ROOM]
+    for r in body["sizes"]:  # the document cut to at most each length (a cut can merge the last tokens)
+        assert r["tokens_asked"] - 4 <= r["tokens"] <= r["tokens_asked"]
+    for r in body["sizes"]:
+        for key in ("kvcli_prefill_s", "restore_s", "ttft_cached_s", "ttft_recompute_s", "decode_ms_per_token",
+                    "batch_ms_per_step", "batch_ms_per_row_token", "peak_rss_bytes"):
+            assert r[key] > 0, key
+        assert r["ratios"]["ttft_recompute_over_cached"] > 0 and r["batch_questions"] == 8
+    assert "bench: 1,024 tokens" in result.stderr and "then 8 batched" in result.stderr
+
+
+@pytest.mark.parametrize("tokens, needle", [(["max", "1024"], "give it alone"), (["1k"], "got '1k'")])
+def test_bench_tokens_bad_values_are_usage_errors(tmp_path, tokens, needle):
+    args = [a for n in tokens for a in ("--tokens", n)]
+    result = run("bench", SAMPLES / "document.txt", *args, "--model", tmp_path / "no-such-model")
+    assert_clean_error(result, 2, "--tokens", needle)  # refused before any model is looked up
+
+
 def test_bench_kv_bits_reports_size_restore_ttft_and_agreement_per_format(tiny_lm, tmp_path):
     doc = decode(sample_text()[:800].encode(), "doc.txt")
     qs = ["Who is the licensor?", "What is granted?", "Is there a warranty?"]
     result = bench.run(tiny_lm, doc, tokens=[96], questions=3, chunk_size=32, workdir=tmp_path, kv_bits=[8, 4],
-                       question_list=qs, agreement_tokens=6, answer_tokens=4)
+                       question_list=qs, agreement_tokens=6, answer_tokens=4, decode_tokens=2)
     json.dumps(result)
     assert result["kv_bits"] == [8, 4] and result["questions"] == qs
     formats = result["sizes"][0]["formats"]

@@ -16,7 +16,7 @@ from kvcli.documents import decode
 from kvcli.engine.prompt import framing as fr
 from kvcli.engine.prefilling import prefill
 from tests.conftest import reference_answer, sample_text, tiny_llama
-from tests.test_architectures import ARCHS, build
+from tests.test_architectures import ARCHS, _assert_varied, build
 
 QUESTIONS = ("What does the word Licensor mean?", "When does the patent license terminate?")
 
@@ -96,6 +96,48 @@ def test_long_answers_are_exact(tokenizer, tmp_path, exactness_report, name):
     assert a.answer_token_ids == reference_answer(model, a.prompt_token_ids, LONG)
     assert a.check.identical and a.check.tokens == LONG
     exactness_report.append(f" float32 {name:<12} {LONG}-token answer identical, largest |logit diff| {a.check.max_logit_diff:.3g}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# A 16,384-token document: full attention, and sliding layers with a full one
+# ---------------------------------------------------------------------------------------------------
+
+LONG_DOC = 16384
+
+
+@pytest.fixture(scope="module")
+def long_document(tiny_lm, tokenizer):
+    """The sample repeated and cut to 16,384 framed tokens of this tokenizer, as kvcli bench builds its lengths."""
+    from kvcli import bench
+
+    return bench._document_of(tiny_lm, fr.choose(tokenizer, "auto", None), decode(sample_text().encode(), "licence.txt"), LONG_DOC)
+
+
+def _long_model(name: str, tokenizer):
+    if name == "llama":
+        return tiny_llama(len(tokenizer), max_position_embeddings=32768)
+    # gemma 3's structure in two layers: a sliding layer (window 48) and a full one; 32,768 positions
+    return build(name, tokenizer, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_answers_on_a_16k_token_document_are_exact(tokenizer, tmp_path, exactness_report, long_document, name):
+    model = _long_model(name, tokenizer)
+    assert model.config.max_position_embeddings >= 2 * LONG_DOC
+    lm = kvcli.from_objects(model, tokenizer, name=f"tiny-{name}")
+    prefill(lm, long_document, tmp_path / "doc.kv")
+    session = kvcli.Session(lm, tmp_path / "doc.kv")
+    assert LONG_DOC - 4 <= len(session.token_ids) <= LONG_DOC  # cut at a character: the last tokens may merge
+    opts = kvcli.GenerationOptions(max_new_tokens=8)
+    alone = session.ask(QUESTIONS[0], opts)
+    together = session.ask_many(QUESTIONS, opts)  # batched: both rows share the document's keys/values
+    assert together[0].answer_token_ids == alone.answer_token_ids
+    for a in together:
+        ref = reference_answer(model, a.prompt_token_ids, 8)
+        _assert_varied(ref)
+        assert a.answer_token_ids == ref
+    exactness_report.append(f" float32 {name:<12} {len(session.token_ids):,}-token document: {len(together)} answers "
+                            f"identical to generate() ({together[0].decoding})")
 
 
 # ---------------------------------------------------------------------------------------------------
