@@ -306,3 +306,29 @@ def test_questions_at_once_count_only_their_own_tokens(threaded):
     serial, parallel = threaded
     assert [a.processed_tokens for a in parallel] == [a.processed_tokens for a in serial]
     assert all(a.processed_tokens == a.new_tokens + len(a.answer_token_ids) - 1 for a in parallel)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One question's steps with their products split across two threads (engine/model/linear.py)
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])  # full attention: the lone row decodes solo; biased q/k/v; q/k norms
+def test_split_products_give_generates_tokens(tokenizer, tmp_path, monkeypatch, name):
+    from kvcli.engine.decoding import solo
+    from kvcli.engine.model import linear
+
+    monkeypatch.setattr(linear, "SPLIT_MIN", 1)  # the tiny models' products split too, in blocks of 64 rows
+    monkeypatch.setattr(linear, "BLOCK", 64 * 8)
+    monkeypatch.setattr(linear, "_same_bits", {})
+    monkeypatch.setattr(solo, "split_rows_helps", lambda _model: True)  # as on two torch threads
+    monkeypatch.setattr(solo.Faster, "pick", lambda self: True)  # every step split
+    split = []
+    real = linear.split_product
+    monkeypatch.setattr(linear, "split_product", lambda *a: split.append(a[1].shape) or real(*a))
+    model = build(name, tokenizer)
+    lm = kvcli.from_objects(model, tokenizer, name=f"tiny-{name}")
+    prefill(lm, decode(sample_text()[:700].encode(), "licence.txt"), tmp_path / "doc.kv", chunk_size=56)
+    a = kvcli.Session(lm, tmp_path / "doc.kv").ask(QUESTIONS[0], kvcli.GenerationOptions(max_new_tokens=24))
+    assert len(a.answer_token_ids) == 24 and len(set(a.answer_token_ids)) > 5
+    assert any(rows > 64 for rows, _in in split) and all(linear._same_bits.values())  # split in blocks, same bits
+    assert a.answer_token_ids == reference_answer(model, a.prompt_token_ids, 24)

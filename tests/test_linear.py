@@ -3,6 +3,8 @@ within float32 rounding, through the kernel that is faster for a few rows; one r
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 import kvcli
@@ -74,3 +76,114 @@ def test_batched_forwards_run_in_the_mode(tokenizer, tmp_path, monkeypatch):
     many = session.ask_many(questions, opts, batch_size=2)
     assert seen and all(seen)
     assert [a.answer_token_ids for a in many] == [session.ask(q, opts).answer_token_ids for q in questions]
+
+
+def _split(monkeypatch, block: int = 1000):
+    monkeypatch.setattr(linear, "SPLIT_MIN", 1)  # every one-row product splits, in blocks of `block` weight elements
+    monkeypatch.setattr(linear, "BLOCK", block)
+    monkeypatch.setattr(linear, "_same_bits", {})  # no shape checked yet
+
+
+def test_one_row_split_across_two_threads_gives_the_linear_bits(monkeypatch):
+    _split(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    for out_features, in_features, bias, lead in [(577, 96, False, (1,)), (1000, 64, True, (1, 1)), (49, 300, True, ()),
+                                                  (3, 40, False, (1, 1, 1))]:
+        w = torch.randn(out_features, in_features, generator=g)
+        b = torch.randn(out_features, generator=g) if bias else None
+        x = torch.randn(*lead, in_features, generator=g)
+        want = torch.nn.functional.linear(x, w, b)
+        with torch.inference_mode(), linear.split_rows():
+            first = torch.nn.functional.linear(x, w, b)  # split, and checked against the whole product once
+        with torch.inference_mode(), _Calls() as calls, linear.split_rows():
+            got = torch.nn.functional.linear(x, w, b)
+        assert ("addmm" if bias else "mm") in calls.names and "linear" not in calls.names
+        assert got.shape == want.shape and torch.equal(got, want) and torch.equal(first, want)
+    assert all(linear._same_bits.values())
+
+
+def test_a_shape_whose_split_gives_other_bits_stays_unsplit(monkeypatch):
+    _split(monkeypatch)
+    w, x = torch.randn(80, 48), torch.randn(1, 48)
+    monkeypatch.setattr(linear, "split_product", lambda x, w, b: torch.nn.functional.linear(x, w, b) + 1e-6)
+    want = torch.nn.functional.linear(x, w)
+    for _ in range(2):
+        with torch.inference_mode(), linear.split_rows():
+            assert torch.equal(torch.nn.functional.linear(x, w), want)
+    assert linear._same_bits == {((80, 48), False): False}
+
+
+def test_split_rows_leaves_other_products_to_torch(monkeypatch):
+    _split(monkeypatch)
+    w = torch.randn(80, 48)
+    cases = [(torch.randn(2, 48), w, True), (torch.randn(1, 48).bfloat16(), w.bfloat16(), True),
+             (torch.randn(1, 48), w, False), (torch.randn(1, 48), w.T.contiguous().T, True)]
+    for x, weight, inference in cases:
+        with torch.inference_mode(inference), _Calls() as calls, linear.split_rows():
+            y = torch.nn.functional.linear(x, weight)
+        assert calls.names.count("linear") == 1 and "mm" not in calls.names
+        assert torch.equal(y, torch.nn.functional.linear(x, weight))
+    monkeypatch.setattr(linear, "SPLIT_MIN", 80 * 48 + 1)  # a weight below SPLIT_MIN
+    with torch.inference_mode(), _Calls() as calls, linear.split_rows():
+        torch.nn.functional.linear(torch.randn(1, 48), w)
+    assert calls.names.count("linear") == 1 and "mm" not in calls.names
+
+
+class _Helper:
+    """A stand-in for the helper thread: runs each job in a thread of its own after `start` (None: never)."""
+
+    def __init__(self, start):
+        self.start, self.threads = start, []
+        self.jobs = self
+
+    def put(self, job):
+        if self.start is not None:
+            self.threads.append(threading.Thread(target=lambda: (self.start.wait(), job())))
+            self.threads[-1].start()
+
+
+class _SlowInHelper:
+    """linear's torch, whose mm stalls in the helper's thread until `release` (a helper preempted inside a
+    block); the caller's first mm waits until the helper is inside its block."""
+
+    def __init__(self, release):
+        self.release, self.inside, self.helper_calls = release, threading.Event(), 0
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def mm(self, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            self.helper_calls += 1
+            self.inside.set()
+            self.release.wait(30)
+        else:
+            self.inside.wait(30)
+        return torch.mm(*args, **kwargs)
+
+
+def test_a_helper_that_never_runs_starts_late_or_stalls_leaves_its_blocks_to_the_caller(monkeypatch):
+    _split(monkeypatch)
+    w, x = torch.randn(700, 50), torch.randn(1, 50)
+    want = torch.nn.functional.linear(x, w)
+    with torch.inference_mode():
+        monkeypatch.setattr(linear, "_the_helper", lambda: _Helper(None))
+        assert torch.equal(linear.split_product(x, w, None), want)
+
+        late = _Helper(threading.Event())  # starts once the caller has returned: finds no block left
+        monkeypatch.setattr(linear, "_the_helper", lambda: late)
+        got = linear.split_product(x, w, None)
+        late.start.set()
+        late.threads[0].join()
+        assert torch.equal(got, want)
+
+        started, release = threading.Event(), threading.Event()
+        stalled = _Helper(started)
+        slow = _SlowInHelper(release)
+        monkeypatch.setattr(linear, "_the_helper", lambda: stalled)
+        monkeypatch.setattr(linear, "torch", slow)
+        started.set()  # the helper claims a block and stalls in it until the caller has returned
+        got = linear.split_product(x, w, None)
+        release.set()
+        stalled.threads[0].join()
+    assert slow.helper_calls == 1 and torch.equal(got, want)  # its late block was computed by the caller, not copied over

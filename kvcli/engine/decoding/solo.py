@@ -3,7 +3,9 @@
 For a model whose batched (cascade) path was not proven exact when it loaded (engine/scheduling/probe.py), the
 engine decodes each document's rows through this one at a time: the same rows, choosers, streams and
 counts as engine/decoding/batch.py's Decoder, on the Session's KVCache (rewound to the document after each
-row, so nothing is copied), with the attention kernels plain generate() would use.
+row, so nothing is copied), with the attention kernels plain generate() would use. A one-row step may run its
+float32 products split across two cores (engine/model/linear.py, the same bits), whenever its steps measure
+faster that way (Faster).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from .batch import Row, check_lengths, take
+from ..model.linear import split_rows, split_rows_helps
 
 
 class SoloDecoder:
@@ -31,6 +34,7 @@ class SoloDecoder:
         self.last_rows = 0
         keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._keep = {"logits_to_keep": 1} if keeps else {}  # the lm head at the last id only, if the model allows
+        self.split = Faster() if split_rows_helps(model) else None  # one-row float32 products on two cores
 
     @property
     def busy(self) -> bool:
@@ -64,7 +68,13 @@ class SoloDecoder:
             # every position so far, as generate() passes it: prompt + answer ids
             mask = torch.ones((1, len(row.prompt) + len(row.answer)), dtype=torch.long, device=self.device)
             try:
-                out = self.model(input_ids=input_ids, attention_mask=mask, cache=self.cache, use_cache=True, **self._keep)
+                split = self.split.pick() if self.split is not None and len(ids) == 1 else None
+                t0 = time.perf_counter()
+                with split_rows(bool(split)):
+                    out = self.model(input_ids=input_ids, attention_mask=mask, cache=self.cache, use_cache=True,
+                                     **self._keep)
+                if split is not None:
+                    self.split.record(split, time.perf_counter() - t0)
             except BaseException:
                 self.active = []
                 self.cache.rewind()
@@ -80,3 +90,25 @@ class SoloDecoder:
         self.active = []
         self.cache.rewind()
         return [row]
+
+
+class Faster:
+    """Which of two ways of running a step is faster here and now, by the steps' own times: the way with the
+    lower median of its last few steps, the other tried again every `every` steps (a machine that gets busy
+    or quiet changes the answer). Both ways give the same bits, so the choice never changes an answer."""
+
+    def __init__(self, every: int = 8, keep: int = 5):
+        self.every, self.keep = every, keep
+        self.times: dict[bool, list[float]] = {True: [], False: []}
+        self.steps = 0
+
+    def pick(self) -> bool:
+        self.steps += 1
+        for way in (True, False):
+            if not self.times[way]:
+                return way
+        best = min(self.times, key=lambda w: sorted(self.times[w])[len(self.times[w]) // 2])
+        return (not best) if self.steps % self.every == 0 else best
+
+    def record(self, way: bool, seconds: float) -> None:
+        self.times[way] = (self.times[way] + [seconds])[-self.keep:]
