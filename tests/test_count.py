@@ -336,3 +336,12 @@ def test_a_hub_id_in_the_local_cache_loads_when_the_hub_cannot_be_reached(tmp_pa
     import kvcli
 
     assert kvcli.read_manifest(tmp_path / "d.kv").model["source"]["id"] == "kvcli-test/tiny"
+
+
+def test_the_samples_readme_states_the_sample_documents_token_count():
+    from tests.conftest import SAMPLES
+
+    result = run("count", str(SAMPLES / "document.txt"), "--json")
+    assert result.exit_code == 0, result.stderr
+    tokens = json_lines(result.stdout)[0]["tokens"]
+    assert f"{tokens:,} tokens with the default model" in (SAMPLES / "README.md").read_text()
