@@ -333,10 +333,8 @@ def load(
 ) -> LoadedModel:
     """Load model and tokenizer for kvcli; refuse models whose cache kvcli cannot restore exactly.
 
-    On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/model/attention.py).
-    weights: "float" (default: as transformers dequantizes them, in `dtype`), "q8" (int8 weights quantized at load)
-    or "q4" (a GGUF file's 4-bit weights as stored; other models' quantized at load): engine/model/stored.py; None
-    takes the source's own (a cache's recorded source)."""
+    On the CPU, sdpa attention becomes kvcli's grouped-query sdpa (engine/model/attention.py). weights: "float",
+    "q8" or "q4" (engine/model/stored.py); None takes the source's own (a cache's recorded source)."""
     source = dict(source) if source is not None else resolve(model, revision=revision)
     args = hub.load_args(source)  # before torch is imported
     from . import attention, stored
