@@ -88,7 +88,7 @@ def main() -> None:
         d.step()  # the question's own ids
         for _ in range(3):
             d.step()
-        chooser, steps = d.split, {"as shipped": [], "split": [], "unsplit": []}
+        chooser, steps = getattr(d, "split", None), {"as shipped": [], "split": [], "unsplit": []}
 
         class Fixed:  # one way every step, in place of the decoder's chooser
             def __init__(self, way):
