@@ -361,15 +361,10 @@ def load(
     if source["kind"] == "hub":
         source["revision"] = getattr(lm.config, "_commit_hash", None) or source.get("revision")
     fp = fingerprint(lm, tok, _weight_files(source, where), kvcli_home() / "fingerprints")  # of the weights as read
-    if mode == "q4" and source["kind"] in ("default", "gguf"):  # the file's own 4-bit codes
-        folder = gguf_folders(source["sha256"])[0]
-        stored.use_q4(lm, Path(source["path"]), folder.with_name(folder.name + "-q4"))
-    elif mode == "q4":
-        stored.use_q4(lm, None, None)  # quantized from the float weights
-    elif mode == "q8":
-        stored.use_q8(lm)
-    if mode != "float":
-        source["weights"] = fp["weights"] = mode  # recorded: a cache of this arithmetic is refused by the other
+    if mode != "float":  # recorded: a cache of this arithmetic is refused by the other
+        gguf = source["kind"] in ("default", "gguf")  # q4 then runs the file's own 4-bit codes
+        stored.use(lm, mode, Path(source["path"]) if gguf else None, gguf_folders(source["sha256"])[0] if gguf else None)
+        source["weights"] = fp["weights"] = mode
     page_in(lm)
     return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fp)
 

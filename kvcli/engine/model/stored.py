@@ -306,3 +306,14 @@ def use_q8(model: Any) -> None:
             if isinstance(module, torch.nn.Linear):
                 bias = module.bias.detach().clone() if module.bias is not None else None
                 model.set_submodule(name, Q8Linear(*quantize_q8(module.weight), bias))
+
+
+def use(model: Any, mode: str, gguf_path: Path | None, gguf_folder: Path | None) -> None:
+    """Run `model`'s linear layers in `mode` ("q8" or "q4"), in place; q4 on a GGUF file (`gguf_path`, converted
+    into `gguf_folder`) runs its own codes, kept beside that folder."""
+    if mode == "q8":
+        use_q8(model)
+    elif gguf_path is not None and gguf_folder is not None:
+        use_q4(model, gguf_path, gguf_folder.with_name(gguf_folder.name + "-q4"))
+    else:
+        use_q4(model, None, None)
