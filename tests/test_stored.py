@@ -348,7 +348,7 @@ def test_bench_measures_the_q4_weights_and_says_so(q4_lm, tmp_path):
     assert result["weights"] == "q4" and result["sizes"][0]["restore_s"] > 0
     console = Console(record=True, width=200)
     console.print(bench.render(result))
-    assert "float32, q4 weights" in console.export_text()
+    assert "float32, q4 weights" in " ".join(console.export_text().split())  # the title wraps to the table's width
 
 
 def test_a_served_q4_cache_is_answered_on_q4_weights(q4_lm, q4_cache, monkeypatch):
