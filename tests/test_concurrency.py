@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcli.errors import CacheBusyError
 from kvcli.format import manifest as mf
 from kvcli.format import store, writing
 
@@ -69,7 +70,7 @@ def test_concurrent_asks_agree_and_a_replacing_prefill_never_mixes(world, tmp_pa
     shutil.copytree(w["refs"]["a"], stable)
     shutil.copytree(w["refs"]["a"], swapping)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    swaps = [0]
+    swaps, busy = [0], [0]
     stop = threading.Event()
     errors: list[str] = []
 
@@ -78,6 +79,10 @@ def test_concurrent_asks_agree_and_a_replacing_prefill_never_mixes(world, tmp_pa
         while not stop.is_set():
             try:
                 install_copy(swapping, w["refs"][k])
+            except CacheBusyError:  # the prefill holds the writer lock: a second writer waits its turn
+                busy[0] += 1
+                time.sleep(0.02)
+                continue
             except Exception as exc:  # pragma: no cover - reported below
                 errors.append(repr(exc))
                 return
@@ -93,9 +98,19 @@ def test_concurrent_asks_agree_and_a_replacing_prefill_never_mixes(world, tmp_pa
         cache_args = [arg for _ in range(REPEATS) for arg in ("-c", swapping)]
         mixed = [subprocess.Popen(kvcli_cmd("ask", "--model", w["model"], *cache_args, QUESTION, "--max-new-tokens", MAX_NEW, "--json"),
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-        prefill = subprocess.Popen(kvcli_cmd("prefill", w["docs"]["b"], "-o", swapping, "--model", w["model"], "--force", "-q"),
-                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        results = [(p, *p.communicate(timeout=300)) for p in same + mixed + [prefill]]
+        # The prefill holds the writer lock from its start, so the replacer waits meanwhile: let the swapping asks
+        # read their first caches under the replacer's swaps before it starts.
+        firsts = [p.stdout.readline() for p in mixed]
+        # The prefill is refused (exit 3) when it starts during one of the replacer's writes; it tries again, as a
+        # script would, at most 20 times (each try collides with a few-millisecond copy in every 20 ms at worst).
+        for _ in range(20):
+            prefill = subprocess.run(kvcli_cmd("prefill", w["docs"]["b"], "-o", swapping, "--model", w["model"], "--force", "-q"),
+                                     env=env, capture_output=True, text=True, timeout=300)
+            if "is writing this cache now" not in prefill.stderr:
+                break
+        results = [(p, *p.communicate(timeout=300)) for p in same + mixed] + [(prefill, prefill.stdout, prefill.stderr)]
+        for i, first in enumerate(firsts):
+            results[len(same) + i] = (results[len(same) + i][0], first + results[len(same) + i][1], results[len(same) + i][2])
     finally:
         stop.set()
         thread.join(timeout=60)
@@ -113,7 +128,7 @@ def test_concurrent_asks_agree_and_a_replacing_prefill_never_mixes(world, tmp_pa
             kind = [k for k, ref in w["answers"].items() if ref == a]
             assert kind, f"an answer from neither the old nor the new cache: {a!r}"
             seen[kind[0]] += 1
-    assert swaps[0] > 10 and seen["a"] and seen["b"], (swaps[0], seen)
+    assert swaps[0] > 10 and seen["a"] and seen["b"], (swaps[0], busy[0], seen)
     assert store.verify(swapping).document["sha256"] in w["shas"].values()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stable.kv", "swapping.kv"]  # no temporary folder left
 

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
-from typer._click.types import FloatRange  # typer's own click, as cli/app.py uses: a range open at 0
 
 Device = Literal["auto", "cpu", "cuda", "mps"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -28,9 +27,9 @@ WeightsOpt = Annotated[Literal["float", "q8", "q4"], typer.Option(help="float: t
 CacheDtypeOpt = Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option(help="Compute dtype (default: the cache's).")]
 FollowUpOpt = Annotated[Optional[Path], typer.Option("--follow-up", metavar="FILE", help="Continue the conversation of the last line of this `ask --json` output ('-' for stdin).", show_default=False)]
 # sampling options that ask and chat spell alike
-TemperatureOpt = Annotated[float, typer.Option(min=0.0, metavar="T", help="0 for greedy (default).")]
-TopPOpt = Annotated[float, typer.Option(click_type=FloatRange(0.0, 1.0, min_open=True), metavar="P", help="Nucleus sampling threshold (with --temperature).")]
+TemperatureOpt = Annotated[float, typer.Option(metavar="T", help="0 for greedy (default).")]
+TopPOpt = Annotated[float, typer.Option(metavar="P", help="Nucleus sampling threshold (with --temperature).")]
 SeedOpt = Annotated[Optional[int], typer.Option(metavar="S", help="Seed for reproducible sampling.")]
-RepetitionPenaltyOpt = Annotated[float, typer.Option(min=0.0, metavar="R", help="Above 1 makes tokens already in the prompt or answer less likely (generate()'s own; 1: off).")]
-NoRepeatNgramOpt = Annotated[int, typer.Option(min=0, metavar="N", help="Never repeat an N-token sequence of the prompt or answer (0: off).")]
+RepetitionPenaltyOpt = Annotated[float, typer.Option(metavar="R", help="Above 1 makes tokens already in the prompt or answer less likely (generate()'s own; 1: off).")]
+NoRepeatNgramOpt = Annotated[int, typer.Option(metavar="N", help="Never repeat an N-token sequence of the prompt or answer (0: off).")]
 ConvertDtypeOpt = Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")]
