@@ -37,7 +37,7 @@ def info(
         m = objects.read_manifest(cache)  # the manifest only: nothing else is downloaded
         s = catalog.summary(objects.redact(cache), m)
     else:
-        m = store.read_manifest(cache, shards=False)
+        m = store.read_manifest(cache)
         s = catalog.summary(Path(cache), m)
     if json_out:
         out.json_doc({**s, "layers": catalog.layer_rows(m)})

@@ -59,7 +59,7 @@ class LocalTarget:
     def current(self) -> mf.Manifest | None:
         writing.wait_for_writer(self.path)  # another process writing it now: what it wrote, once done
         try:
-            return store.read_manifest(self.path)  # validates the manifest and opens (never reads) each shard
+            return store.read_manifest(self.path, shards=True)  # a cache missing a shard is rebuilt
         except CacheError:
             return None
 

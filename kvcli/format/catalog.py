@@ -85,7 +85,7 @@ def find(folder: Path) -> list[dict[str, Any]]:
     rows = []
     for path in candidates:
         try:
-            m = store.read_manifest(path)
+            m = store.read_manifest(path, shards=True)  # a cache missing a shard is listed as broken
         except CacheError as exc:
             rows.append({"path": str(path), "error": str(exc)})
             continue

@@ -182,9 +182,9 @@ def _open_in(dir_fd: int, name: str, where: Path) -> int:
     return fd
 
 
-def read_manifest(path: str | os.PathLike, *, shards: bool = True) -> mf.Manifest:
-    """Validate and return the manifest of the cache at `path`. Each shard is opened (so a missing one is
-    refused) but never read; with shards=False none is opened."""
+def read_manifest(path: str | os.PathLike, *, shards: bool = False) -> mf.Manifest:
+    """Validate and return the manifest of the cache at `path`; no shard is touched (restore and verify check
+    them). shards=True also opens each shard, never reading it, so that a missing one is refused."""
     with open_cache(path, shards=shards) as cache:
         return cache.manifest
 

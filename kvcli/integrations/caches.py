@@ -205,7 +205,7 @@ def discover(root: str) -> Iterator[tuple[str, mf.Manifest | None, str | None]]:
                             and (p / mf.MANIFEST_NAME).exists())
     for path in candidates:
         try:
-            yield str(path), store.read_manifest(path), None
+            yield str(path), store.read_manifest(path, shards=True), None  # a missing shard: refused by name
         except KvcliError as exc:
             yield str(path), None, str(exc)
 

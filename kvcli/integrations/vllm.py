@@ -214,7 +214,7 @@ class KvcliConnector(KVConnectorBase_V1):
                 local = str(local_store.fetch(entry.location))
             else:
                 local = entry.location
-            m = store.read_manifest(local)
+            m = store.read_manifest(local, shards=True)
             sha = m.to_json()["manifest_sha256"]
             if sha != entry.manifest_sha256:
                 return self._reindex(entry, local, m, sha)
