@@ -20,10 +20,9 @@ Emit = Callable[[dict[str, Any]], None]
 Opener = Callable[[str], AbstractContextManager]  # cache path -> a context lending its Session
 
 
-def room_warning(session: Any, path: str, question: str, history: Sequence[Any], max_new_tokens: int) -> str | None:
-    """The warning for an answer that cannot reach --max-new-tokens within the model's positions."""
-    room = session.answer_room(question, history)
-    if room is not None and 0 < room < max_new_tokens:
+def room_warning(path: str, room: int, max_new_tokens: int) -> str | None:
+    """The warning for an answer whose room (Session.check_prompt) is short of --max-new-tokens."""
+    if room < max_new_tokens:
         return (f"{path}: only {room} positions are left after this question; the answer stops at {room} tokens, "
                 f"not --max-new-tokens {max_new_tokens}")
     return None
@@ -56,9 +55,11 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
             for warning in session.warnings:
                 emit({"event": "warning", "message": warning, "about": "cache"})
             history = history_for(session)
+            prompts = []
             for q in questions:
-                session.check_prompt(q, history, options)  # a prompt that does not fit: refused before any answer begins
-                warning = room_warning(session, shown(path), q, history, options.max_new_tokens)
+                ids, room = session.check_prompt(q, history, options)  # a prompt that does not fit: refused before any answer begins
+                prompts.append(ids)
+                warning = room_warning(shown(path), room, options.max_new_tokens)
                 if warning:
                     emit({"event": "warning", "message": warning})
 
@@ -74,7 +75,7 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
                                                                         "cache": path}),
                 finish, (lambda t: emit({"event": "text", "text": t})) if stream else None)
             session.ask_many(list(questions), options, batch_size=batch_size, on_text=on_text, on_answer=on_answer,
-                             check=check, history=history, cancelled=cancelled)
+                             check=check, history=history, cancelled=cancelled, prompts=prompts)
         finally:
             held.__exit__(None, None, None)
     if first_error:
@@ -84,11 +85,12 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
 
 def prefill_events(targets: Sequence[tuple[str, str]], *, open_model: Callable[[], AbstractContextManager], emit: Emit,
                    read: Callable[[str], Any], check: Callable[[str], None], cancelled: Callable[[], bool] | None = None,
-                   fits: Callable[[], Callable[[Any], None]] | None = None, **prefill_options: Any) -> int:
+                   fits: Callable[[], Callable[[Any], Any]] | None = None, **prefill_options: Any) -> int:
     """Prefill every (document, cache) pair with the model `open_model()` lends (something with `.lm` and
     `.served()`), emitting events; returns the exit code. Every target is checked and every document read
     (and, with `fits`, measured against the model's positions: fits() returns the check, from the tokenizer
-    and config alone) before the model loads, so a refusal costs no load; the only pair failing raises. Raises
+    and config alone, which returns the document's ids and framing for prefill) before the model loads, so a
+    refusal costs no load and the document is tokenized once; the only pair failing raises. Raises
     engine's Left once cancelled() says the asker is gone. prefill_options: engine.prefilling.prefill's
     (system, framing, chunk_size, force, kv_bits)."""
     failed: list[KvcliError] = []
@@ -107,16 +109,15 @@ def prefill_events(targets: Sequence[tuple[str, str]], *, open_model: Callable[[
             try:
                 check(target)
                 locks.enter_context(writing.writer_lock(target))  # held to the end: a second prefill of it is refused now
-                ready.append((index, read(doc), target))
+                ready.append((index, read(doc), target, None))
             except KvcliError as exc:
                 report(exc)
         if ready and fits is not None:
             fit = fits()  # a model that cannot be found or cached fails here, before any weights load
             kept = []
-            for index, document, target in ready:
+            for index, document, target, _split in ready:
                 try:
-                    fit(document)
-                    kept.append((index, document, target))
+                    kept.append((index, document, target, fit(document)))  # its ids and framing: prefill tokenizes it no more
                 except KvcliError as exc:
                     report(exc)
             ready = kept
@@ -125,14 +126,14 @@ def prefill_events(targets: Sequence[tuple[str, str]], *, open_model: Callable[[
 
             prefill_options["chunk_size"] = prefill_options.get("chunk_size") or pf.DEFAULT_CHUNK
             with open_model() as held:
-                for index, document, target in ready:
+                for index, document, target, split in ready:
                     if cancelled and cancelled():
                         from .engine.scheduling.scheduler import Left
 
                         raise Left()
                     emit({"event": "begin", "index": index})
                     try:  # its chunks take turns with the answers running on this model (engine/scheduling/scheduler.py)
-                        r = pf.prefill(held.lm, document, target, **prefill_options,
+                        r = pf.prefill(held.lm, document, target, **prefill_options, split=split,
                                        progress=lambda done, total, i=index: emit({"event": "progress", "index": i, "done": done,
                                                                                    "total": total}))
                     except KvcliError as exc:

@@ -88,9 +88,8 @@ def ask(
     @contextmanager
     def open_session(path: str):
         local = local_cache(path, out, check=lambda m: loader.fits(m, shown(path), convert_dtype=convert_dtype))
-        _check_request(local, shown(path), dtype, convert_dtype)
         with out.status(f"loading {path}"):
-            session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
+            session = loader.session(local, where=shown(path), convert_dtype=convert_dtype)
         yield session
 
     def history_for(session) -> list:
@@ -100,10 +99,3 @@ def ask(
     return ask_events(open_session, cache, qs, opts, emit=render, history_for=history_for, batch_size=batch_size, check=check,
                       stream=not json_out, shown=shown)
 
-
-def _check_request(cache, where: str, dtype, convert_dtype: bool) -> None:
-    """Refuse from the manifest alone what would be refused after the model loads (a missing cache, --dtype)."""
-    from ..engine.model import fit
-    from ..format import store
-
-    fit.check_request(store.read_manifest(cache), where, dtype=dtype, convert_dtype=convert_dtype)

@@ -85,11 +85,8 @@ def chat(
     opts = an.GenerationOptions(**checked)
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
     local = local_cache(cache, out, check=lambda m: loader.fits(m, shown(cache), convert_dtype=convert_dtype))
-    from .ask import _check_request
-
-    _check_request(local, shown(cache), dtype, convert_dtype)
     with out.status(f"loading {shown(cache)}"):
-        session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
+        session = loader.session(local, where=shown(cache), convert_dtype=convert_dtype)
     for warning in session.warnings:
         out.warn(warning)
     talk = conversation.Chat(session, conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier else ())
@@ -100,12 +97,12 @@ def chat(
         if not line.strip():
             continue
         try:  # as a served turn: a prompt that does not fit is refused before the answer begins
-            session.check_prompt(line, talk.history, opts)
+            _ids, room = session.check_prompt(line, talk.history, opts)
         except PromptTooLongError as exc:
             if not talk.history:
                 raise
             return _full(out, str(exc).removeprefix("question too long: "))
-        warning = room_warning(session, shown(cache), line, talk.history, opts.max_new_tokens)  # as a served turn warns
+        warning = room_warning(shown(cache), room, opts.max_new_tokens)  # as a served turn warns
         if warning:
             render({"event": "warning", "message": warning})
         render({"event": "begin", "index": 0, "question": line, "cache": str(cache)})

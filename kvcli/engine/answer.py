@@ -26,11 +26,14 @@ TokenFn = Callable[[str], None]  # receives answer text as it becomes final
 class Session:
     """One cache opened against one loaded model, ready for any number of questions, from any thread."""
 
-    def __init__(self, lm: LoadedModel, path: str | os.PathLike, *, convert_dtype: bool = False):
+    def __init__(self, lm: LoadedModel, cache: str | os.PathLike | store.OpenedCache, *, convert_dtype: bool = False):
+        """cache: a folder, or a cache already opened (ModelPool.session, the warm server), whose shards this
+        restores and then closes."""
         t0 = time.perf_counter()
         self.lm = lm
-        self.path = Path(path)
-        with store.open_cache(self.path) as opened:
+        opened = cache if isinstance(cache, store.OpenedCache) else store.open_cache(cache)
+        self.path = opened.path
+        with opened:
             self.manifest = opened.manifest
             fit.check_fits(self.manifest, lm, str(self.path), convert_dtype=convert_dtype)
             self.cache = restore.load_cache(opened, device=lm.device, dtype=lm.dtype)  # the document (rows decoded one at a time grow it, then rewind)
@@ -65,14 +68,12 @@ class Session:
     def prompt_ids(self, question: str, history: Sequence[conversation.Exchange] = ()) -> list[int]:
         return self.token_ids + conversation.appended_ids(self.lm.tokenizer, self.framing, history, question, self.token_ids)
 
-    def answer_room(self, question: str, history: Sequence[conversation.Exchange] = ()) -> int | None:
-        """Positions left for the answer after this question's prompt (None: the model sets no limit)."""
-        limit = self.lm.max_positions
-        return None if not limit else limit - len(self.prompt_ids(question, history))
-
-    def check_prompt(self, question: str, history: Sequence[conversation.Exchange] = (), options: GenerationOptions | None = None) -> None:
-        """PromptTooLongError when this question's prompt leaves no position for its answer (before it is asked)."""
-        prompt_room(self.lm, self.prompt_ids(question, history), options or GenerationOptions())
+    def check_prompt(self, question: str, history: Sequence[conversation.Exchange] = (),
+                     options: GenerationOptions | None = None) -> tuple[list[int], int]:
+        """This question's prompt ids and the answer tokens they leave room for (--max-new-tokens within the
+        model's positions); PromptTooLongError when they leave none, before the question is asked."""
+        ids = self.prompt_ids(question, history)
+        return ids, prompt_room(self.lm, ids, options or GenerationOptions())
 
     def clock(self) -> float:
         """When a question starts, for its timings: now, less the cache's load while no question has paid for it."""
@@ -98,18 +99,20 @@ class Session:
     def ask_many(self, questions: Sequence[str], options: GenerationOptions | None = None, *,
                  batch_size: int | None = None, on_text: Callable[[int, str], None] | None = None,
                  on_answer: Callable[[int, Answer], None] | None = None, check: bool = False,
-                 history: Sequence[conversation.Exchange] = (), cancelled: Callable[[], bool] | None = None) -> list[Answer]:
+                 history: Sequence[conversation.Exchange] = (), cancelled: Callable[[], bool] | None = None,
+                 prompts: Sequence[list[int]] | None = None) -> list[Answer]:
         """Answer several questions together: each decoding step runs every running question of this document
         (and of any other asker) in one forward pass (engine/decoding/batch.py), so the weights are read once per step
         instead of once per question. Greedy answers equal ask() alone and generate() on the full prompt.
         on_text(i, text) streams question i's text; on_answer(i, answer) hands each answer over as soon as it
         is complete. batch_size: at most this many of these questions decode at once (1: one by one).
-        check=True measures every answer against a full recompute (Answer.check)."""
+        check=True measures every answer against a full recompute (Answer.check). prompts: the questions'
+        prompt ids when already tokenized (check_prompt), else tokenized here."""
         from .scheduling.scheduler import engine_for
 
         return engine_for(self.lm).ask(self, questions, options or GenerationOptions(), history=history,
                                        limit=batch_size, check=check, on_text=on_text, on_answer=on_answer,
-                                       cancelled=cancelled)
+                                       cancelled=cancelled, prompts=prompts)
 
 
 def _eos_ids(model) -> set[int]:
@@ -161,8 +164,13 @@ class ModelPool:
         self.trust_remote_code, self.progress = trust_remote_code, progress
         self._loaded: dict[str, LoadedModel] = {}
 
-    def for_cache(self, path: str | os.PathLike) -> LoadedModel:
-        return self.for_manifest(store.read_manifest(path))
+    def session(self, path: str | os.PathLike, *, where: str | None = None, convert_dtype: bool = False) -> Session:
+        """The Session for one request's cache: its manifest read and checked against the request once (a
+        refusal loads nothing), the model it needs loaded, its shards opened once and restored. where: the
+        cache as messages name it."""
+        with store.open_cache(path) as opened:
+            fit.check_request(opened.manifest, where or str(path), dtype=self.dtype, convert_dtype=convert_dtype)
+            return Session(self.for_manifest(opened.manifest), opened, convert_dtype=convert_dtype)
 
     def fits(self, manifest, where: str, *, convert_dtype: bool = False) -> None:
         """Refuse (CacheMismatchError) a cache, by its manifest alone, that the model it would be answered

@@ -79,11 +79,14 @@ class Counter:
         """The framed document's ids, as prefill would cache them."""
         return len(fr.document_ids(self.tokenizer, self.framing, document.text))
 
-    def refuse_too_long(self, document: Document) -> None:
-        """The DocumentError prefill would raise for this document after loading the model, raised now."""
-        exc = too_long(document.name, self.tokens(document), self.max_positions)
+    def refuse_too_long(self, document: Document) -> tuple[list[int], fr.Framing]:
+        """The DocumentError prefill would raise for this document after loading the model, raised now; else
+        the document's ids and framing (fr.split_document), which prefill caches without tokenizing it again."""
+        split = fr.split_document(self.tokenizer, self.framing, document.text)
+        exc = too_long(document.name, len(split[0]), self.max_positions)
         if exc is not None:
             raise exc
+        return split
 
     def count(self, document: Document) -> Count:
         n = self.tokens(document)
@@ -101,7 +104,7 @@ class Counter:
 def fit_check(model: str | None = None, *, revision: str | None = None, framing: str = "auto", system: str | None = None,
               trust_remote_code: bool = False):
     """For prefill's front ends: the check that refuses a document too long for the model before its weights
-    load (a Counter: config and tokenizer only)."""
+    load (a Counter: config and tokenizer only); it returns the ids and framing prefill then caches."""
     return Counter(model, revision=revision, framing=framing, system=system, trust_remote_code=trust_remote_code).refuse_too_long
 
 

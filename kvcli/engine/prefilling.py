@@ -45,9 +45,11 @@ def document_token_ids(lm: LoadedModel, document: Document, framing: fr.Framing)
     return document_split(lm, document, framing)[0]
 
 
-def document_split(lm: LoadedModel, document: Document, framing: fr.Framing) -> tuple[list[int], fr.Framing]:
-    """The ids to cache and the framing (with where the cut falls) that questions follow; see framing.py."""
-    ids, framing = fr.split_document(lm.tokenizer, framing, document.text)
+def document_split(lm: LoadedModel, document: Document, framing: fr.Framing,
+                   split: tuple[list[int], fr.Framing] | None = None) -> tuple[list[int], fr.Framing]:
+    """The ids to cache and the framing (with where the cut falls) that questions follow; see framing.py.
+    split: those already made by the same tokenizer (the fit check before the model loaded), only checked."""
+    ids, framing = split or fr.split_document(lm.tokenizer, framing, document.text)
     exc = too_long(document.name, len(ids), lm.max_positions)
     if exc is not None:
         raise exc
@@ -122,11 +124,13 @@ def prefill(
     group_size: int = QUANT_GROUP,
     exact_tokens: int | None = None,
     recent_tokens: int | None = None,
+    split: tuple[list[int], fr.Framing] | None = None,
 ) -> PrefillResult:
     """Compute the document's cache and write it atomically to `out` (replacing only with force).
 
     kv_bits 8 or 4 stores it group-quantized (lossy, 4-8x smaller than raw; see format/quant.py);
-    None (the default) stores it losslessly."""
+    None (the default) stores it losslessly. split: the document's ids and framing from the fit check made
+    with this model's tokenizer before it loaded (counting.Counter.refuse_too_long), so it is tokenized once."""
     if chunk_size < 1:
         raise UsageError(f"--chunk-size must be positive, got {chunk_size}")
     if kv_bits is not None and kv_bits not in mf.KV_BITS:
@@ -139,7 +143,7 @@ def prefill(
         raise UsageError(f"quantization group size {group_size} / exact tokens {exact_tokens} / recent tokens "
                          f"{recent_tokens} out of range")
     frame = fr.choose(lm.tokenizer, framing, system)
-    ids, frame = document_split(lm, document, frame)
+    ids, frame = document_split(lm, document, frame, split)
     out = Path(out)
     with writing.atomic_cache_dir(out, force=force) as tmp:
         t0 = time.perf_counter()

@@ -78,11 +78,8 @@ class Lease:
     def warnings(self) -> list[str]:
         return self.session.warnings
 
-    def answer_room(self, question: str, history: Any = ()) -> int | None:
-        return self.session.answer_room(question, history)
-
-    def check_prompt(self, question: str, history: Any = (), options: Any = None) -> None:
-        self.session.check_prompt(question, history, options)
+    def check_prompt(self, question: str, history: Any = (), options: Any = None) -> tuple[list[int], int]:
+        return self.session.check_prompt(question, history, options)
 
     @property
     def concurrency(self) -> int:
@@ -100,7 +97,7 @@ class Lease:
 
     def ask_many(self, questions: list[str], options: Any = None, *, on_text: Callable[[int, str], None] | None = None,
                  on_answer: Callable[[int, Any], None] | None = None, cancelled: Callable[[], bool] | None = None,
-                 history: Any = (), batch_size: int | None = None, check: bool = False) -> list[Any]:
+                 history: Any = (), batch_size: int | None = None, check: bool = False, prompts: Any = None) -> list[Any]:
         """Several questions, decoded together with whatever else asks this model (at most batch_size of
         these at once); callbacks run in this thread: on_text(i, text), on_answer(i, answer) as each completes."""
         from ..engine.answer import GenerationOptions
@@ -115,7 +112,8 @@ class Lease:
         self._warm.fit()
         try:
             return self.session.ask_many(questions, options or GenerationOptions(), batch_size=batch_size, check=check,
-                                         on_text=on_text, on_answer=answered, cancelled=cancelled, history=history)
+                                         on_text=on_text, on_answer=answered, cancelled=cancelled, history=history,
+                                         prompts=prompts)
         except (Left, Stopped):
             raise Cancelled() from None
 
@@ -316,29 +314,30 @@ class Warm:
             identity = ()
         from ..engine.model import fit
 
-        manifest = store.read_manifest(path)
-        fit.check_request(manifest, str(path), dtype=dtype, convert_dtype=convert_dtype)  # refused: nothing loads
-        want = dtype or manifest.dtype
-        source = models.cache_source(model, manifest.model.get("source", {}), revision=revision)
-        mkey = json.dumps(["model", source, device, want, trust_remote_code], sort_keys=True)
-        model_entry = self._take(self._alias.get(mkey, mkey))
-        if model_entry is None:
-            with self._load_turn(mkey):
-                model_entry = self._take(self._alias.get(mkey, mkey))
-                if model_entry is None:
-                    model_entry = self._load_model(mkey, source, device, want, trust_remote_code, progress)
-        try:
-            session = an.Session(model_entry.obj, path, convert_dtype=convert_dtype)
-            info = {"path": str(path), "model": model_entry.info["name"], "num_tokens": len(session.token_ids),
-                    "dtype": manifest.dtype, "load_s": round(session.load_s, 4)}
-            entry = _Entry(key, "cache", session, session.nbytes(), info, identity=identity, model_key=model_entry.key, users=1,
-                           measure=session.nbytes)
-            with self._mutex:
-                self._entries[key] = entry
-                self._evict()
-            return entry
-        finally:
-            self._release(model_entry)
+        with store.open_cache(path) as opened:  # read once: its shards go to the Session's restore
+            manifest = opened.manifest
+            fit.check_request(manifest, str(path), dtype=dtype, convert_dtype=convert_dtype)  # refused: nothing loads
+            want = dtype or manifest.dtype
+            source = models.cache_source(model, manifest.model.get("source", {}), revision=revision)
+            mkey = json.dumps(["model", source, device, want, trust_remote_code], sort_keys=True)
+            model_entry = self._take(self._alias.get(mkey, mkey))
+            if model_entry is None:
+                with self._load_turn(mkey):
+                    model_entry = self._take(self._alias.get(mkey, mkey))
+                    if model_entry is None:
+                        model_entry = self._load_model(mkey, source, device, want, trust_remote_code, progress)
+            try:
+                session = an.Session(model_entry.obj, opened, convert_dtype=convert_dtype)
+                info = {"path": str(path), "model": model_entry.info["name"], "num_tokens": len(session.token_ids),
+                        "dtype": manifest.dtype, "load_s": round(session.load_s, 4)}
+                entry = _Entry(key, "cache", session, session.nbytes(), info, identity=identity, model_key=model_entry.key,
+                               users=1, measure=session.nbytes)
+                with self._mutex:
+                    self._entries[key] = entry
+                    self._evict()
+                return entry
+            finally:
+                self._release(model_entry)
 
     def _load_model(self, key: str, source: dict, device: str, dtype: str, trust_remote_code: bool, progress: Note | None) -> _Entry:
         """Load a model and hold it under its canonical key (the source, the device and the dtype it got)."""

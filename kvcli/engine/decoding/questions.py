@@ -101,13 +101,14 @@ class Question:
 
 
 def question(session: Any, index: int, text: str, options: Any, *, history: Sequence[Any] = (),
-             on_text: Callable[[str], None] | None = None, check: bool = False) -> Question:
+             on_text: Callable[[str], None] | None = None, check: bool = False, prompt: list[int] | None = None) -> Question:
     """The row for one question on the session's document (raises GenerationError if its prompt does not fit);
-    check: keep its raw logits, so its Answer is measured against a full recompute (engine/check.py)."""
+    check: keep its raw logits, so its Answer is measured against a full recompute (engine/check.py). prompt:
+    its prompt ids, when already tokenized (Session.check_prompt)."""
     from .request import prompt_room
 
     lm = session.lm
-    prompt = session.prompt_ids(text, history)
+    prompt = prompt or session.prompt_ids(text, history)
     stream = TextStream(lm.tokenizer, options.stop, on_text)
     eos = session.eos
 

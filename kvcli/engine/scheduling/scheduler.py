@@ -124,11 +124,12 @@ class Engine:
     def ask(self, session: Any, texts: Sequence[str], options: Any, *, history: Sequence[Any] = (),
             limit: int | None = None, check: bool = False, start: float | None = None,
             on_text: Callable[[int, str], None] | None = None, on_answer: Callable[[int, Any], None] | None = None,
-            cancelled: Callable[[], bool] | None = None) -> list[Any]:
+            cancelled: Callable[[], bool] | None = None, prompts: Sequence[list[int]] | None = None) -> list[Any]:
         """Answer `texts` on the session's document, at most `limit` of them decoding at once (default: the
         width), each after `history`. Callbacks run in this thread: on_text(i, text) as text settles,
         on_answer(i, answer) as each completes. Raises Left once cancelled() says the asker is gone, and
-        whatever a callback raises; either way this asker's rows leave at the next step."""
+        whatever a callback raises; either way this asker's rows leave at the next step.
+        prompts: the questions' prompt ids when already tokenized (Session.check_prompt)."""
         limit = max(1, min(limit or self.width or DEFAULT_WIDTH, self.width or limit or DEFAULT_WIDTH))
         start = session.clock() if start is None else start
         events: queue.SimpleQueue = queue.SimpleQueue()
@@ -144,7 +145,7 @@ class Engine:
                 while pending and len(mine) + len(new) < limit:
                     i, text = pending.pop(0)
                     new.append(qs.question(session, i, text, options, history=history, check=check,
-                                           on_text=lambda t, i=i: events.put(("text", i, t))))
+                                           prompt=prompts[i] if prompts else None, on_text=lambda t, i=i: events.put(("text", i, t))))
                 if new:  # together: questions asked at once join the batch in one step
                     self._submit(session, new, events, limit)
                     mine.update((q.row.index, q) for q in new)
