@@ -143,7 +143,7 @@ def test_closed_stdout_ends_ask_quietly_and_stops_the_work(cache_dir, tmp_path):
 
 
 def test_broken_pipe_through_the_runner(cache_dir, monkeypatch):
-    from kvcli import output
+    from kvcli.cli import output
 
     def gone(self, text):
         raise BrokenPipeError(32, "Broken pipe")
@@ -401,7 +401,7 @@ def _generate(model, prompt_ids, max_new_tokens, **settings):
 
 
 def test_terminal_shows_which_question_each_answer_belongs_to(cache_dir, doc_file, monkeypatch):
-    from kvcli import output
+    from kvcli.cli import output
 
     piped = run("ask", "-c", cache_dir, "-c", cache_dir, "--max-new-tokens", "6", "First?", "Second?")
     assert piped.exit_code == 0 and "tokens in" not in piped.stderr
@@ -424,7 +424,7 @@ def test_prefill_bar_never_shows_an_unknown_total(tiny_lm, tmp_path):
 
     from kvcli.engine.prompt import framing as fr
     from kvcli.engine import prefilling as pf
-    from kvcli.output import Output
+    from kvcli.cli.output import Output
 
     calls = []
     ids = fr.document_ids(tiny_lm.tokenizer, fr.choose(tiny_lm.tokenizer), "A short document.")

@@ -129,7 +129,7 @@ def test_piped_answers_are_separated_and_cut_ones_say_so(cache_dir, server, monk
 
 
 def test_cut_note_on_a_terminal_too(cache_dir, monkeypatch):
-    from kvcli import output
+    from kvcli.cli import output
 
     monkeypatch.setattr(output, "is_terminal", lambda stream: True)
     tty = run("ask", "-c", cache_dir, "--max-new-tokens", "4", "--no-server", "First?")
@@ -300,8 +300,8 @@ def test_spinner_for_a_slow_question(monkeypatch):
 
     from rich.console import Console
 
-    from kvcli import output
-    from kvcli.rendering import AskRenderer
+    from kvcli.cli import output
+    from kvcli.cli.rendering import AskRenderer
 
     out = output.Output()
     out.interactive = True

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import UsageError
-from ..output import Output
+from .output import Output
 from .app import command
 from .common import gather_questions
 from .options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, WeightsOpt
