@@ -1,7 +1,7 @@
 """The agreement run of docs/quantization.md ("Smaller caches") without bench's lossless baselines (not part of the test run).
 
 `kvcli bench --kv-bits 8 --kv-bits 4` also measures plain prefills, naive torch.save and recompute TTFTs;
-this script runs only the part that compares formats (kvcli.bench_formats.measure, the same function), so
+this script runs only the part that compares formats (kvcli.bench.formats.measure, the same function), so
 it fits a busy machine: python tests/bench_formats_run.py [--tokens 4096] [--questions 16] [--answer-tokens 64]
 [--bits 8,4] [--group N] [--exact N] [--recent N] (the last three override prefill's defaults for every format)
 """
@@ -13,7 +13,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from kvcli import bench, bench_formats, documents
+from kvcli import bench, documents
+from kvcli.bench import formats as bench_formats
 from kvcli.engine.prompt import framing as fr
 from kvcli.engine.model import models
 from kvcli.engine import prefilling as pf
@@ -39,7 +40,7 @@ def main() -> None:
     qs = qs[: args.questions]
     lm = models.load()
     frame = fr.choose(lm.tokenizer, "auto", None)
-    doc = bench._document_of(lm, frame, documents.read(SAMPLES / "document.txt"), args.tokens)
+    doc = bench.document_of(lm, frame, documents.read(SAMPLES / "document.txt"), args.tokens)
     with tempfile.TemporaryDirectory(prefix="kvcli-formats-") as tmp:
         path = Path(tmp) / "doc.kv"
         res = pf.prefill(lm, doc, path)

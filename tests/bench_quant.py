@@ -49,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     lm = models.load()
     frame = fr.choose(lm.tokenizer, "auto", None)
-    doc = bench._document_of(lm, frame, documents.read(SAMPLES / "document.txt"), args.tokens)
+    doc = bench.document_of(lm, frame, documents.read(SAMPLES / "document.txt"), args.tokens)
     ids = pf.document_token_ids(lm, doc, frame)
     states = layers.read(pf.run_chunks(lm, ids, pf.DEFAULT_CHUNK))
     states = [layers.LayerState(s.kind, s.keys.clone(), s.values.clone(), s.seq_length, s.sliding_window) for s in states]

@@ -57,7 +57,7 @@ def build_cache(path: Path, tokens: int) -> Path:
 
     lm = models.load()
     frame = fr.choose(lm.tokenizer, "auto", None)
-    doc = bench._document_of(lm, frame, documents.read(SAMPLES / "document.txt"), tokens)
+    doc = bench.document_of(lm, frame, documents.read(SAMPLES / "document.txt"), tokens)
     pf.prefill(lm, doc, path, force=True)
     return path
 

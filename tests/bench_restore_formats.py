@@ -12,7 +12,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from kvcli import bench, bench_formats as bf, documents
+from kvcli import bench, documents
+from kvcli.bench import formats as bf
 from kvcli.engine.prompt import framing as fr
 from kvcli.engine.model import models
 from kvcli.engine import prefilling as pf
@@ -21,7 +22,7 @@ S = Path(__file__).resolve().parent.parent / "samples"
 qs = [l.strip() for l in (S/'questions.txt').read_text().splitlines() if l.strip() and not l.startswith('#')]
 lm = models.load()
 frame = fr.choose(lm.tokenizer, "auto", None)
-doc = bench._document_of(lm, frame, documents.read(S/'document.txt'), 4096)
+doc = bench.document_of(lm, frame, documents.read(S/'document.txt'), 4096)
 out = {}
 with tempfile.TemporaryDirectory() as tmp:
     for bits in (None, 8, 4):
