@@ -137,7 +137,7 @@ def test_closed_stdout_ends_info_quietly(cache_dir):
 def test_closed_stdout_ends_ask_quietly_and_stops_the_work(cache_dir, tmp_path):
     qfile = tmp_path / "q.txt"
     qfile.write_text("\n".join(f"Question number {i}?" for i in range(200)), encoding="utf-8")
-    for extra in (["--json"], []):  # how long it takes is measured by tests/bench_pipes.py, not bounded here
+    for extra in (["--json"], []):  # how long it takes is measured by tests/bench/bench_pipes.py, not bounded here
         proc = _closed_pipe_run(["ask", "-c", cache_dir, "-f", qfile, "--max-new-tokens", "64", *extra])
         assert proc.returncode == 141 and proc.stderr == "", (extra, proc.returncode, proc.stderr)
 

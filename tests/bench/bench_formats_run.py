@@ -2,7 +2,7 @@
 
 `kvcli bench --kv-bits 8 --kv-bits 4` also measures plain prefills, naive torch.save and recompute TTFTs;
 this script runs only the part that compares formats (kvcli.bench.formats.measure, the same function), so
-it fits a busy machine: python tests/bench_formats_run.py [--tokens 4096] [--questions 16] [--answer-tokens 64]
+it fits a busy machine: python tests/bench/bench_formats_run.py [--tokens 4096] [--questions 16] [--answer-tokens 64]
 [--bits 8,4] [--group N] [--exact N] [--recent N] (the last three override prefill's defaults for every format)
 """
 
@@ -19,7 +19,7 @@ from kvcli.engine.prompt import framing as fr
 from kvcli.engine.model import models
 from kvcli.engine import prefilling as pf
 
-SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 
 
 def main() -> None:

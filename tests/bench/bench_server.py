@@ -1,6 +1,6 @@
 """Benchmark (not part of the test run): `kvcli ask` through a warm `kvcli serve` against in-process.
 
-    python tests/bench_server.py [--repeat 3] [--doc samples/document.txt] [--model M] [--json]
+    python tests/bench/bench_server.py [--repeat 3] [--doc samples/document.txt] [--model M] [--json]
 
 Default model and the sample document unless told otherwise. Prints, as medians over --repeat runs
 measured in one session (ratios are what to trust on a shared machine):
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 QUESTIONS = [line for line in (ROOT / "samples" / "questions.txt").read_text().splitlines() if line.strip() and not line.startswith("#")]
 NEW_TOKENS = "16"

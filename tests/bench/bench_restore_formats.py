@@ -1,7 +1,7 @@
 """Restore speed and TTFT of each storage format (not collected by pytest): the timing columns of
-docs/quantization.md ("Smaller caches"), without the agreement run (which is deterministic and slow: tests/bench_quant.py).
+docs/quantization.md ("Smaller caches"), without the agreement run (which is deterministic and slow: tests/bench/bench_quant.py).
 
-    python tests/bench_restore_formats.py
+    python tests/bench/bench_restore_formats.py
 
 Default model, the sample document cut to 4,096 tokens, float32: lossless, 8-bit and 4-bit caches are
 prefilled, then each is restored RESTORE_REPEATS times (median) and asked TTFT_QUESTIONS questions with a
@@ -18,7 +18,7 @@ from kvcli.engine.prompt import framing as fr
 from kvcli.engine.model import models
 from kvcli.engine import prefilling as pf
 
-S = Path(__file__).resolve().parent.parent / "samples"
+S = Path(__file__).resolve().parents[2] / "samples"
 qs = [l.strip() for l in (S/'questions.txt').read_text().splitlines() if l.strip() and not l.startswith('#')]
 lm = models.load()
 frame = fr.choose(lm.tokenizer, "auto", None)
