@@ -36,7 +36,7 @@ def main() -> None:
               if v is not None}
     qs = []
     for name in ("questions.txt", "questions-more.txt"):
-        qs += [l.strip() for l in (SAMPLES / name).read_text().splitlines() if l.strip() and not l.startswith("#")]
+        qs += [line.strip() for line in (SAMPLES / name).read_text().splitlines() if line.strip() and not line.startswith("#")]
     qs = qs[: args.questions]
     lm = models.load()
     frame = fr.choose(lm.tokenizer, "auto", None)

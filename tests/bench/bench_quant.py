@@ -31,7 +31,7 @@ SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 def questions(n: int) -> list[str]:
     lines = []
     for name in ("questions.txt", "questions-more.txt"):
-        lines += [l.strip() for l in (SAMPLES / name).read_text().splitlines() if l.strip() and not l.startswith("#")]
+        lines += [line.strip() for line in (SAMPLES / name).read_text().splitlines() if line.strip() and not line.startswith("#")]
     return lines[:n]
 
 

@@ -57,7 +57,8 @@ def main() -> None:
                 t = time.perf_counter()
                 a = session.ask(q, opts)
                 rows.append({"question": q, "tokens": len(a.answer_token_ids), "finish": a.finish_reason,
-                             "repeated_4grams": round(repeated_share(a.answer_token_ids), 3), "s": round(time.perf_counter() - t, 1), "answer": a.answer})
+                             "repeated_4grams": round(repeated_share(a.answer_token_ids), 3), "s": round(time.perf_counter() - t, 1),
+                             "answer": a.answer})
                 print(f"[{rp}:{ng}] {json.dumps(rows[-1], ensure_ascii=False)}", flush=True)
             results[f"{rp}:{ng}"] = rows
             print(f"\n== repetition_penalty {rp}, no_repeat_ngram_size {ng}: "

@@ -19,7 +19,7 @@ from kvcli.engine.model import models
 from kvcli.engine import prefilling as pf
 
 S = Path(__file__).resolve().parents[2] / "samples"
-qs = [l.strip() for l in (S/'questions.txt').read_text().splitlines() if l.strip() and not l.startswith('#')]
+qs = [line.strip() for line in (S/'questions.txt').read_text().splitlines() if line.strip() and not line.startswith('#')]
 lm = models.load()
 frame = fr.choose(lm.tokenizer, "auto", None)
 doc = bench.document_of(lm, frame, documents.read(S/'document.txt'), 4096)
@@ -32,5 +32,6 @@ with tempfile.TemporaryDirectory() as tmp:
         rs = bf._restore_s(lm, p)
         tt = bf._ttft_s(lm, p, qs)
         out[str(bits or 'lossless')] = {"tokens": m.num_tokens, "bytes_raw": m.bytes_raw, "on_disk": m.bytes_stored,
-            "ratio": round(m.bytes_stored/m.bytes_raw, 3), "restore_s": round(rs, 3), "gb_per_s": round(m.bytes_raw/rs/1e9, 2), "ttft_s": round(tt, 3)}
+            "ratio": round(m.bytes_stored/m.bytes_raw, 3), "restore_s": round(rs, 3), "gb_per_s": round(m.bytes_raw/rs/1e9, 2),
+            "ttft_s": round(tt, 3)}
         print(json.dumps({str(bits): out[str(bits or 'lossless')]}), flush=True)
