@@ -11,10 +11,10 @@ from typing import Annotated
 
 import typer
 
-from .. import served
+from . import served
 from ..errors import PromptTooLongError, UsageError
-from ..output import Output, is_terminal
-from ..rendering import AskRenderer, positions_ran_out
+from .output import Output, is_terminal
+from .rendering import AskRenderer, positions_ran_out
 from .app import command
 from .common import local_cache, read_answer_json, shown
 from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,

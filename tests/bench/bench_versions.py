@@ -1,7 +1,7 @@
 """Benchmark (not part of the test run): this checkout against another kvcli checkout, side by side in one run.
 
     git worktree add /tmp/kvcli-0.2 35127f5            # kvcli 0.2 (the last commit before the one engine)
-    python tests/bench_versions.py --other /tmp/kvcli-0.2 [--rounds 2] [--json]
+    python tests/bench/bench_versions.py --other /tmp/kvcli-0.2 [--rounds 2] [--json]
 
 Both trees run in this interpreter's environment (PYTHONPATH points at each tree in turn), in fresh
 processes, alternating rounds so that machine noise falls on both alike. Each process loads the
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = [line for line in (ROOT / "samples" / "questions.txt").read_text().splitlines() if line.strip() and not line.startswith("#")]
 EXTRA = ["Who may grant a patent license?", "What is a Contribution?", "What is the Work?", "Can I sell the Work?",
          "What is a Derivative Work?", "Who is a Contributor?", "What is a Source form?", "What is an Object form?",

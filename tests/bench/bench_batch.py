@@ -1,6 +1,6 @@
 """Benchmark (not collected by pytest): N questions one by one vs Session.ask_many, same process and run.
 
-    python tests/bench_batch.py --questions 8 --tokens 32 [--batch-size 8] [--doc samples/document.txt]
+    python tests/bench/bench_batch.py --questions 8 --tokens 32 [--batch-size 8] [--doc samples/document.txt]
 
 Prints wall times, the speedup, how many answers are identical, how many batched answers `--check`
 finds identical to a full recompute (and the largest logit difference), and the memory the batch adds
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import kvcli
 
-SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 EXTRA = ["Who may grant a patent license?", "What is a Contribution?", "What is the Work?", "Can I sell the Work?",
          "What is a Derivative Work?", "Who is a Contributor?", "What happens if I sue a contributor?",
          "Must I state changes I made?", "What is Source form?", "What is Object form?", "Can the license be revoked?",

@@ -1,11 +1,11 @@
 """Benchmark (not collected by pytest): kvcli and llama.cpp side by side on the same GGUF and prompt ids (issue 25).
 
     .ci/llamacpp-up                       # once: llama-cpp-python built from source in a venv of its own
-    python tests/bench_llamacpp.py [--max-new-tokens 64] [--repeats 3] [--doc samples/document.txt] [--weights q4] [--json]
+    python tests/bench/bench_llamacpp.py [--max-new-tokens 64] [--repeats 3] [--doc samples/document.txt] [--weights q4] [--json]
 
 Run from kvcli's venv. kvcli frames the document and every question (its chat framing, engine/prompt/) and
 the exact ids go to llama.cpp, which runs in its own venv's python ($KVCLI_LLAMACPP_PYTHON, default
-/opt/kvcli-llamacpp-venv/bin/python; tests/llamacpp_run.py), after kvcli is done, so neither environment
+/opt/kvcli-llamacpp-venv/bin/python; tests/bench/llamacpp_run.py), after kvcli is done, so neither environment
 imports the other's stack and the two never share the CPU. Both answer greedily (up to --max-new-tokens,
 stopping at the model's end-of-turn ids). Prints, for both: model load, prefill, size on disk, restore,
 first token after restore, decode ms per token for one question (medians of --repeats runs, each from a
@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
-SAMPLES = TESTS.parent / "samples"
-sys.path.insert(0, str(TESTS))
+HERE = Path(__file__).resolve().parent
+SAMPLES = HERE.parents[1] / "samples"
+sys.path.insert(0, str(HERE))
 from bench_batch import EXTRA  # noqa: E402  (the 8 questions: the sample's 4, then bench_batch's first extras)
 
 FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -114,7 +114,7 @@ def run_llamacpp(python: str, prompt: dict, args, workdir: Path) -> dict:
                max_new_tokens=args.max_new_tokens, repeats=args.repeats)
     (workdir / "llamacpp.json").write_text(json.dumps(cfg))
     result = workdir / "llamacpp-out.json"
-    done = subprocess.run([python, str(TESTS / "llamacpp_run.py"), str(workdir / "llamacpp.json"), str(result)],
+    done = subprocess.run([python, str(HERE / "llamacpp_run.py"), str(workdir / "llamacpp.json"), str(result)],
                           env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
                           stderr=subprocess.PIPE, text=True)  # llama.cpp's log lines: shown only if it fails
     if done.returncode:

@@ -1,9 +1,9 @@
 """Benchmark (not part of the test suite): vLLM's time to first token with KvcliConnector vs its own prefill.
 
-    KVCLI_VLLM_PYTHON=/path/to/vllm-venv/bin/python KVCLI_HOME=... python tests/bench_vllm.py [--out DIR]
+    KVCLI_VLLM_PYTHON=/path/to/vllm-venv/bin/python KVCLI_HOME=... python tests/bench/bench_vllm.py [--out DIR]
 
 Run with kvcli's venv: it prefills samples/document.txt (2,247 tokens with the default model) with kvcli if
-no cache is there yet, then starts ONE vLLM engine (tests/vllm_run.py in the vLLM venv) with the connector
+no cache is there yet, then starts ONE vLLM engine (tests/bench/vllm_run.py in the vLLM venv) with the connector
 and, for each question of samples/questions.txt, times a 1-token generation prefilled by vLLM itself
 (kv_transfer_params {"kvcli": "skip"}) and one served from the cache, alternating, after one warm-up of
 each. Then 32-token greedy answers both ways with raw logits (logprobs_mode raw_logits, top 20): prints
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "samples"
 
 
@@ -66,7 +66,7 @@ def main() -> None:
     (out / "bench.json").write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    r = subprocess.run([vllm_python, str(ROOT / "tests" / "vllm_run.py"), str(out / "bench.json"), str(out / "bench-out.json")],
+    r = subprocess.run([vllm_python, str(ROOT / "tests" / "bench" / "vllm_run.py"), str(out / "bench.json"), str(out / "bench-out.json")],
                        capture_output=True, text=True, timeout=3600, env=env)
     (out / "bench.log").write_text(r.stdout + r.stderr)
     if r.returncode:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .engine import answer
-from .engine.model.models import LoadedModel
+from ..engine import answer
+from ..engine.model.models import LoadedModel
 
 DECODE_TOKENS = 64  # answer tokens generated to measure decode speed (the default)
 BATCH_QUESTIONS = 8  # questions decoded together for the batched speed

@@ -1,6 +1,6 @@
 """Benchmark (not part of the test run): `kvcli ask` through a warm `kvcli serve` against in-process.
 
-    python tests/bench_server.py [--repeat 3] [--doc samples/document.txt] [--model M] [--json]
+    python tests/bench/bench_server.py [--repeat 3] [--doc samples/document.txt] [--model M] [--json]
 
 Default model and the sample document unless told otherwise. Prints, as medians over --repeat runs
 measured in one session (ratios are what to trust on a shared machine):
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 QUESTIONS = [line for line in (ROOT / "samples" / "questions.txt").read_text().splitlines() if line.strip() and not line.startswith("#")]
 NEW_TOKENS = "16"
@@ -134,10 +134,12 @@ def main() -> None:
             print(json.dumps(result, indent=2))
         else:
             s = result["seconds"]
-            print(f"first answer byte: {s['first_local']:.2f} s in-process, {s['first_served']:.3f} s served: {result['first_byte_speedup']}x (target >= 15x)")
+            print(f"first answer byte: {s['first_local']:.2f} s in-process, {s['first_served']:.3f} s served: "
+                  f"{result['first_byte_speedup']}x (target >= 15x)")
             print(f"one-question process: {s['whole_local']:.2f} s vs {s['whole_served']:.2f} s: {result['whole_process_speedup']}x (target >= 4x)")
             print(f"cache not held yet: {s['new_local']:.2f} s vs {s['new_served']:.2f} s: {result['new_cache_speedup']}x (target >= 3x)")
-            print(f"10 served processes {s['loop_served']:.2f} s vs one cold ask -f {s['one_process']:.2f} s: {result['loop_over_one_process']}x (target <= 1.3x)")
+            print(f"10 served processes {s['loop_served']:.2f} s vs one cold ask -f {s['one_process']:.2f} s: "
+                  f"{result['loop_over_one_process']}x (target <= 1.3x)")
             print(f"client start (ps --json round trip): {s['client_start']:.3f} s (target <= 0.25 s)")
             print(f"8 served questions at once {s['together_served']:.2f} s vs one after another {s['apart_served']:.2f} s: "
                   f"{result['together_speedup']}x")

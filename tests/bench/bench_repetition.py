@@ -1,6 +1,6 @@
 """Measure anti-repetition settings on the default model and the sample (not collected by pytest).
 
-    python tests/bench_repetition.py [--max-new-tokens 256] [--setting 1.0:0 --setting 1.0:10 ...]
+    python tests/bench/bench_repetition.py [--max-new-tokens 256] [--setting 1.0:0 --setting 1.0:10 ...]
 
 For each setting (repetition_penalty:no_repeat_ngram_size) it asks samples/questions.txt about
 samples/document.txt and prints, per question, the answer length in tokens, how it ended, the share of
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 
 
 def repeated_share(ids: list[int], n: int = 4) -> float:
@@ -57,7 +57,8 @@ def main() -> None:
                 t = time.perf_counter()
                 a = session.ask(q, opts)
                 rows.append({"question": q, "tokens": len(a.answer_token_ids), "finish": a.finish_reason,
-                             "repeated_4grams": round(repeated_share(a.answer_token_ids), 3), "s": round(time.perf_counter() - t, 1), "answer": a.answer})
+                             "repeated_4grams": round(repeated_share(a.answer_token_ids), 3), "s": round(time.perf_counter() - t, 1),
+                             "answer": a.answer})
                 print(f"[{rp}:{ng}] {json.dumps(rows[-1], ensure_ascii=False)}", flush=True)
             results[f"{rp}:{ng}"] = rows
             print(f"\n== repetition_penalty {rp}, no_repeat_ngram_size {ng}: "

@@ -1,6 +1,6 @@
 """kvcli bench --kv-bits: what each quantized storage format costs in fidelity and buys in size and speed.
 
-For one document length whose lossless cache bench.py has just written, each format (8-bit, 4-bit) is
+For one document length whose lossless cache measure.py has just written, each format (8-bit, 4-bit) is
 prefilled from the same document and measured against the lossless cache: size on disk over float32
 raw, restore time and throughput of dequantized output, TTFT with the cache, and agreement over the
 questions (engine/fidelity.py). The lossless cache's own greedy answers are the reference.
@@ -14,12 +14,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .documents import Document
-from .engine import answer, fidelity, prefilling as pf
-from .engine.cache import restore
-from .engine.model.models import LoadedModel
-from .format import store
-from .bench_timing import RESTORE_REPEATS, TTFT_QUESTIONS
+from ..documents import Document
+from ..engine import answer, fidelity, prefilling as pf
+from ..engine.cache import restore
+from ..engine.model.models import LoadedModel
+from ..format import store
+
+RESTORE_REPEATS = 3  # restores timed per cache, here and in measure.py (the median is reported)
+TTFT_QUESTIONS = 5  # TTFT (with and without the cache) is timed on the first questions; agreement uses all
 
 
 def _restore_s(lm: LoadedModel, path: Path) -> float:
@@ -78,24 +80,3 @@ def _row(lm: LoadedModel, path: Path, qs: Sequence[str], info: dict[str, Any], a
     restore_s = _restore_s(lm, path)
     return {**info, "restore_s": restore_s, "restore_gb_per_s": info["bytes_raw"] / restore_s / 1e9,
             "ttft_cached_s": _ttft_s(lm, path, qs), "agreement": agreement.to_json()}
-
-
-def render_rows(sizes: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
-    """(label, one cell per length) rows for bench.render: one block per format."""
-    names = [n for n in (sizes[0].get("formats") or {})] if sizes else []
-    out: list[tuple[str, list[str]]] = []
-    for name in names:
-        cells = [r["formats"][name] for r in sizes]
-        out += [
-            (f"{name}: on disk", [f"{c['disk_over_raw']:.1%} of raw ({c['bytes_on_disk'] / 1e6:,.1f} MB)" for c in cells]),
-            ("  restore", [f"{c['restore_s']:.3f} s, {c['restore_gb_per_s']:.2f} GB/s" for c in cells]),
-            ("  TTFT with cache", [f"{c['ttft_cached_s']:.3f} s" for c in cells]),
-            ("  top-1 (teacher-forced)", [f"{c['agreement']['top1']:.2%}" for c in cells]),
-            ("  mean KL", [f"{c['agreement']['kl_mean']:.2e}" for c in cells]),
-            ("  same whole answers", [_pct(c["agreement"]["answers_identical"]) for c in cells]),
-        ]
-    return out
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"

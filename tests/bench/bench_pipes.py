@@ -1,10 +1,10 @@
 """How long `kvcli ask` takes to notice its reader is gone (not part of the test run).
 
-    python tests/bench_pipes.py [--questions 200] [--max-s 200]
+    python tests/bench/bench_pipes.py [--questions 200] [--max-s 200]
 
 Prefills a cache with the default model, then runs `kvcli ask -f QUESTIONS` (JSON and plain) with stdout a
 pipe whose reader has already left, as after `| head -1`: each run must end with 141 and print seconds. It
-fails (exit 1) above --max-s, the bound tests/test_daily.py once held as a unit test.
+fails (exit 1) above --max-s, a bound that is a measurement, not a unit test's (tests/test_output.py checks the exit code).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """The agreement run of docs/quantization.md ("Smaller caches") without bench's lossless baselines (not part of the test run).
 
 `kvcli bench --kv-bits 8 --kv-bits 4` also measures plain prefills, naive torch.save and recompute TTFTs;
-this script runs only the part that compares formats (kvcli.bench_formats.measure, the same function), so
-it fits a busy machine: python tests/bench_formats_run.py [--tokens 4096] [--questions 16] [--answer-tokens 64]
+this script runs only the part that compares formats (kvcli.bench.formats.measure, the same function), so
+it fits a busy machine: python tests/bench/bench_formats_run.py [--tokens 4096] [--questions 16] [--answer-tokens 64]
 [--bits 8,4] [--group N] [--exact N] [--recent N] (the last three override prefill's defaults for every format)
 """
 
@@ -13,12 +13,13 @@ import json
 import tempfile
 from pathlib import Path
 
-from kvcli import bench, bench_formats, documents
+from kvcli import bench, documents
+from kvcli.bench import formats as bench_formats
 from kvcli.engine.prompt import framing as fr
 from kvcli.engine.model import models
 from kvcli.engine import prefilling as pf
 
-SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 
 
 def main() -> None:
@@ -35,11 +36,11 @@ def main() -> None:
               if v is not None}
     qs = []
     for name in ("questions.txt", "questions-more.txt"):
-        qs += [l.strip() for l in (SAMPLES / name).read_text().splitlines() if l.strip() and not l.startswith("#")]
+        qs += [line.strip() for line in (SAMPLES / name).read_text().splitlines() if line.strip() and not line.startswith("#")]
     qs = qs[: args.questions]
     lm = models.load()
     frame = fr.choose(lm.tokenizer, "auto", None)
-    doc = bench._document_of(lm, frame, documents.read(SAMPLES / "document.txt"), args.tokens)
+    doc = bench.document_of(lm, frame, documents.read(SAMPLES / "document.txt"), args.tokens)
     with tempfile.TemporaryDirectory(prefix="kvcli-formats-") as tmp:
         path = Path(tmp) / "doc.kv"
         res = pf.prefill(lm, doc, path)

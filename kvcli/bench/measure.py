@@ -1,4 +1,4 @@
-"""kvcli bench: what the cache buys, measured in one process and one run.
+"""One kvcli bench run: every document length measured in one process, in one run.
 
 For each document length it times, on the same framed token ids:
 - a plain transformers prefill (one forward over the whole document, and chunk by chunk),
@@ -7,7 +7,7 @@ For each document length it times, on the same framed token ids:
   (torch.save of the per-layer tensors, torch.load back),
 - time to first answer token for questions with the cache (a fresh Session per question, so the
   restore is included) and without it (generate() recomputing the full prompt),
-- decode speed from the restored cache: one question alone, and 8 batched (bench_decode.py),
+- decode speed from the restored cache: one question alone, and 8 batched (decode.py),
 - the RSS high-water mark of the process during the length (reset at its start where Linux allows),
 and reports sizes (raw tensor bytes, on disk, naive) and the ratios between all of these. Each question is
 also answered in full (answer_tokens) with the cache and checked against a full recompute (engine/check.py):
@@ -15,7 +15,7 @@ answers identical, first divergent positions, largest logit difference, near-tie
 
 With kv_bits (8, 4) it also writes each length's cache quantized and reports, per format, size on
 disk, restore time and throughput of dequantized output, TTFT, and agreement with the lossless cache
-over the questions (engine/fidelity.py: teacher-forced top-1, mean KL, whole answers identical).
+over the questions (formats.py, engine/fidelity.py: teacher-forced top-1, mean KL, whole answers identical).
 
 Timings on a shared machine are noisy: compare the ratios measured within one run.
 """
@@ -25,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import resource
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,20 +35,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from .. import __version__
+from ..documents import Document
+from ..engine import prefilling as pf
+from ..engine.cache import restore
+from ..engine.model.models import LoadedModel
+from ..engine.prompt import framing as fr
+from ..errors import UsageError
+from ..format import store
+from . import decode, formats
+from .decode import BATCH_QUESTIONS, DECODE_TOKENS
+from .formats import RESTORE_REPEATS, TTFT_QUESTIONS
 
-from .engine.prompt import framing as fr
-from .engine import prefilling as pf
-from .engine.cache import restore
-
-from .format import store
-from .documents import Document
-from .errors import UsageError
-from .engine.model.models import LoadedModel
-from .bench_timing import RESTORE_REPEATS, TO_THE_LIMIT, TTFT_QUESTIONS, peak_rss, reset_peak_rss
-from . import bench_decode
-from .bench_decode import BATCH_QUESTIONS, DECODE_TOKENS
-
+TO_THE_LIMIT = "max"  # --tokens max: 1k, doubling, up to the model's limit
 DEFAULT_SIZES = (1024, 2048, 4096, 8192)
 ANSWER_TOKENS = 32  # tokens per answer compared with recompute
 AGREEMENT_TOKENS = 64  # new tokens per reference answer when measuring a quantized format's agreement
@@ -151,18 +152,16 @@ def run(
     _warm_up(lm)
     with tempfile.TemporaryDirectory(prefix="kvcli-bench-", dir=workdir) as tmp:
         for n in sizes:
-            doc = _document_of(lm, frame, document, n)
+            doc = document_of(lm, frame, document, n)
             note(f"bench: {n:,} tokens")
             path = Path(tmp) / f"doc-{n}.kv"
             own_peak = reset_peak_rss()
             row = _measure(lm, doc, frame, path, qs[:TTFT_QUESTIONS], chunk_size, transform, level, note, answer_tokens)
             note(f"  decode: {decode_tokens} answer tokens from the cache, one question, then {len(batch)} batched")
-            row.update(bench_decode.one(lm, path, qs[0], decode_tokens), **bench_decode.batched(lm, path, batch, decode_tokens))
+            row.update(decode.one(lm, path, qs[0], decode_tokens), **decode.batched(lm, path, batch, decode_tokens))
             if kv_bits:
-                from . import bench_formats
-
-                row["formats"] = bench_formats.measure(lm, doc, path, qs, kv_bits, chunk_size=chunk_size, level=level,
-                                                       answer_tokens=agreement_tokens, note=note)
+                row["formats"] = formats.measure(lm, doc, path, qs, kv_bits, chunk_size=chunk_size, level=level,
+                                                 answer_tokens=agreement_tokens, note=note)
             # the high-water mark since this length began, or (where it cannot be reset) the process's so far
             row.update(tokens_asked=n, peak_rss_bytes=peak_rss(), peak_rss_scope="length" if own_peak else "process",
                        load_average_end=_loadavg())
@@ -237,7 +236,7 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
 
     note(f"  time to first token for {len(qs)} question(s), with the cache (restore included) and recomputed")
     cached, recomputed, same = [], [], []
-    from .engine import answer
+    from ..engine import answer
 
     for q in qs:
         session = answer.Session(lm, path)
@@ -257,7 +256,7 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
                ttft_cached_all_s=cached, ttft_recompute_all_s=recomputed, first_tokens_match=all(same))
 
     note(f"  whole answers ({answer_tokens} tokens) checked against a full recompute")
-    from .engine import check
+    from ..engine import check
 
     session = answer.Session(lm, path)
     opts = answer.GenerationOptions(max_new_tokens=answer_tokens)
@@ -289,7 +288,7 @@ def _ratios(r: dict[str, Any]) -> dict[str, float]:
 @contextmanager
 def _plain_attention(model):
     """Baselines run transformers' own attention (sdpa or eager), not the kvcli function selected for the model."""
-    from .engine.model.attention import kernel_name
+    from ..engine.model.attention import kernel_name
 
     was = model.config._attn_implementation
     if was.startswith("kvcli"):
@@ -310,7 +309,7 @@ def _warm_up(lm: LoadedModel) -> None:
         lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
 
 
-def _document_of(lm: LoadedModel, frame: fr.Framing, document: Document, n: int) -> Document:
+def document_of(lm: LoadedModel, frame: fr.Framing, document: Document, n: int) -> Document:
     """The document repeated and then cut so that its framed ids are as close to n as possible (not over)."""
     text = document.text.strip()
     while len(fr.document_ids(lm.tokenizer, frame, text)) < n:
@@ -339,50 +338,25 @@ def _fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-# ---------------------------------------------------------------- rendering
+def reset_peak_rss() -> bool:
+    """Start a new RSS high-water mark (Linux: 5 into /proc/self/clear_refs); False where that is not possible,
+    and then peak_rss() is the process's peak so far."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
-def render(result: dict[str, Any]):
-    """The measurements and ratios as a rich Table: one row per quantity, one column per document length."""
-    from rich.table import Table
-
-    sizes = result["sizes"]
-    weights = "" if result.get("weights", "float") == "float" else f", {result['weights']} weights"
-    title = (f"kvcli bench: {result['model']} ({result['dtype']}{weights}, {result['device']}, "
-             f"{result['torch_threads']} torch threads, chunks of {result['chunk_size']})")
-    table = Table(title=title, caption="Cached TTFT includes the restore. Answers: whole greedy answers of "
-                  f"{result['answer_tokens']} tokens compared with one forward without cache. Naive: torch.save / torch.load "
-                  "of the same tensors (x: naive over kvcli). Prefill rows: time over one plain forward. Peak RSS: "
-                  "the process's high-water mark during that length (process: since it started).")
-    table.add_column("tokens", no_wrap=True)
-    for r in sizes:
-        table.add_column(f"{r['tokens']:,}", justify="right", no_wrap=True)
-    rows = [
-        ("TTFT recompute", lambda r, q: f"{r['ttft_recompute_s']:.2f} s"),
-        ("TTFT with cache", lambda r, q: f"{r['ttft_cached_s']:.3f} s"),
-        ("  speedup", lambda r, q: f"{q['ttft_recompute_over_cached']:.1f}x"),
-        ("  same 1st token", lambda r, q: "yes" if r["first_tokens_match"] else "NO"),
-        ("answers = recompute", lambda r, q: f"{r['check']['identical']}/{r['check']['answers']}"),
-        ("  max logit diff", lambda r, q: f"{r['check']['max_logit_diff']:.2g}"),
-        ("decode, 1 question", lambda r, q: f"{r['decode_ms_per_token']:.0f} ms/token ({r['decode_tok_s']:.1f} tok/s)"),
-        (f"decode, {BATCH_QUESTIONS} batched", lambda r, q: f"{r['batch_ms_per_step']:.0f} ms/step"),
-        ("  per row-token", lambda r, q: f"{r['batch_ms_per_row_token']:.0f} ms"),
-        ("restore", lambda r, q: f"{r['restore_s']:.3f} s"),
-        ("  GB/s of raw", lambda r, q: f"{q['restore_gb_per_s']:.2f}"),
-        ("raw / on disk", lambda r, q: f"{r['bytes_raw'] / 1e6:,.1f} / {r['bytes_on_disk'] / 1e6:,.1f} MB"),
-        ("  on disk", lambda r, q: f"{q['disk_over_raw']:.1%} of raw"),
-        ("naive size", lambda r, q: f"{q['naive_over_kvcli_bytes']:.2f}x"),
-        ("naive restore", lambda r, q: f"{q['naive_over_kvcli_restore_s']:.2f}x"),
-        ("one forward", lambda r, q: f"{r['plain_prefill_s']:.2f} s"),
-        ("  plain chunked", lambda r, q: f"{q['plain_chunked_over_plain']:.2f}x"),
-        ("  kvcli prefill", lambda r, q: f"{q['kvcli_prefill_over_plain']:.2f}x ({r['kvcli_prefill_s']:.2f} s)"),
-        ("peak RSS", lambda r, q: f"{r['peak_rss_bytes'] / 1e6:,.0f} MB" + ("" if r["peak_rss_scope"] == "length" else " (process)")),
-    ]
-    for label, cell in rows:
-        table.add_row(label, *(cell(r, r["ratios"]) for r in sizes))
-    if any(r.get("formats") for r in sizes):
-        from .bench_formats import render_rows
-
-        for label, cells in render_rows(sizes):
-            table.add_row(label, *cells)
-    return table
+def peak_rss() -> int:
+    """The RSS high-water mark in bytes: /proc/self/status VmHWM where there is one, else getrusage's ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere

@@ -1,9 +1,9 @@
 """Restore speed against the machine's own limits (issue 25; a script, not collected by pytest):
 
-    python tests/bench_restore.py [--cache DIR] [--repeats N] [--threads N] [--json]
+    python tests/bench/bench_restore.py [--cache DIR] [--repeats N] [--threads N] [--json]
 
 With no --cache, the sample document is cut (repeated) to 4,096 framed tokens and prefilled with the
-default model (float32, the default lossless codec) into tests/.bench-restore/doc-4096.kv, reused by later
+default model (float32, the default lossless codec) into tests/bench/.bench-restore/doc-4096.kv, reused by later
 runs. Everything is measured warm: every shard file is read once first, nothing is dropped from the page
 cache. Reported, each the median of --repeats runs, in GB/s:
 
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SAMPLES = HERE.parent / "samples"
+SAMPLES = HERE.parents[1] / "samples"
 WORK = HERE / ".bench-restore"
 
 
@@ -57,7 +57,7 @@ def build_cache(path: Path, tokens: int) -> Path:
 
     lm = models.load()
     frame = fr.choose(lm.tokenizer, "auto", None)
-    doc = bench._document_of(lm, frame, documents.read(SAMPLES / "document.txt"), tokens)
+    doc = bench.document_of(lm, frame, documents.read(SAMPLES / "document.txt"), tokens)
     pf.prefill(lm, doc, path, force=True)
     return path
 

@@ -1,6 +1,6 @@
 """Decoding in the engine thread, with and without the asker's OpenMP pool given back (a script, not collected):
 
-    python tests/bench_handoff.py [--weights q4] [--tokens 32] [--repeats 5] [--cache DIR] [--json]
+    python tests/bench/bench_handoff.py [--weights q4] [--tokens 32] [--repeats 5] [--cache DIR] [--json]
 
 kvcli answers in its engine thread (engine/scheduling/scheduler.py) while the asking thread waits. An
 OpenMP runtime that manages more worker threads than there are CPUs stops spinning between parallel
@@ -10,7 +10,7 @@ this measures decode ms per token (medians of --repeats answers, each of --token
 same question) three ways: Session.ask as shipped, Session.ask with release() made a no-op, and the
 same rows decoded in the main thread without the engine (the floor). Prints the CPU, its core count and
 the load average before and after. With no --cache the sample document is prefilled into
-tests/.bench-handoff/ (reused by later runs).
+tests/bench/.bench-handoff/ (reused by later runs).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SAMPLES = HERE.parent / "samples"
+SAMPLES = HERE.parents[1] / "samples"
 WORK = HERE / ".bench-handoff"
 QUESTION = "What does the word Licensor mean in this license?"
 

@@ -1,6 +1,6 @@
 """Benchmark (not part of the test run): does a prefill through the server stall an answer on the same model?
 
-    python tests/bench_stall.py [--tokens 6000] [--chunk 1024] [--answer-tokens 400] [--json]
+    python tests/bench/bench_stall.py [--tokens 6000] [--chunk 1024] [--answer-tokens 400] [--json]
 
 Starts `kvcli serve`, restores the sample cache, starts one long streaming `kvcli ask` on it, and while that
 answer streams, prefills a document of about --tokens tokens (the sample text repeated) through the same
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -1,6 +1,6 @@
 """Benchmark (not part of the test run): N questions in one `kvcli ask` against N separate processes.
 
-    python tests/bench_questions.py [--questions 5] [--doc samples/document.txt] [--model M]
+    python tests/bench/bench_questions.py [--questions 5] [--doc samples/document.txt] [--model M]
 
 Prints both wall times and their ratio. Uses the default model unless --model is given.
 """
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = [line for line in (ROOT / "samples" / "questions.txt").read_text().splitlines() if line and not line.startswith("#")]
 
 

@@ -1,6 +1,6 @@
 """Where a fresh `kvcli ask --no-server` process spends its time before the first token (not collected by pytest).
 
-    python tests/bench_coldstart.py [--cache samples/document.kv] [--runs 5] [--model M]
+    python tests/bench/bench_coldstart.py [--cache samples/document.kv] [--runs 5] [--model M]
 
 Each run is a new Python process that walks the in-process ask path phase by phase (imports, config,
 tokenizer, weights, fingerprint, page-in, restore, batching verdict, first token) and reports each phase's
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import json, sys, time

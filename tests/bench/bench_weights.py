@@ -1,6 +1,6 @@
 """Benchmark (not collected by pytest): the weights modes side by side on the default model, one process, one run.
 
-    python tests/bench_weights.py [--modes float,q8,q4] [--repeats 3] [--max-new-tokens 64] [--check-tokens 48]
+    python tests/bench/bench_weights.py [--modes float,q8,q4] [--repeats 3] [--max-new-tokens 64] [--check-tokens 48]
                                   [--doc samples/document.txt] [--workdir DIR] [--threads N] [--json]
 
 Loads the default model once per mode (kvcli.load(weights=...)), prefills the document with each, then times one
@@ -25,8 +25,8 @@ import torch
 
 import kvcli
 
-TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 from bench_llamacpp import SAMPLES, cpu  # noqa: E402
 
 

@@ -1,6 +1,6 @@
-"""The llama.cpp side of tests/bench_llamacpp.py, run in the llama.cpp venv (.ci/llamacpp-up), never in kvcli's.
+"""The llama.cpp side of tests/bench/bench_llamacpp.py, run in the llama.cpp venv (.ci/llamacpp-up), never in kvcli's.
 
-    KVCLI_LLAMACPP_VENV/bin/python tests/llamacpp_run.py CONFIG.json OUT.json
+    KVCLI_LLAMACPP_VENV/bin/python tests/bench/llamacpp_run.py CONFIG.json OUT.json
 
 CONFIG: {"gguf", "n_ctx", "threads", "workdir", "document_ids", "question_ids", "batch_ids", "eos_ids",
 "max_new_tokens", "repeats"}: the exact token ids kvcli framed (no tokenizing here). Greedy decoding by hand

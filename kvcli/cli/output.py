@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
-from .errors import KvcliError
+from ..errors import KvcliError
 
 WAIT_S = 2.0  # a question still without its first text after this long gets a spinner on a terminal's stderr
 EXIT_PIPE = 141  # stdout closed early: what a shell reports for a process ended by SIGPIPE (128 + 13)

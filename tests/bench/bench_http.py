@@ -1,6 +1,6 @@
 """Load on the HTTP endpoint: N concurrent streaming OpenAI clients on one cache (not part of the test run).
 
-    python tests/bench_http.py [--clients 16] [--max-tokens 16] [--doc samples/document.txt]
+    python tests/bench/bench_http.py [--clients 16] [--max-tokens 16] [--doc samples/document.txt]
 
 Starts `kvcli.serve.http` in a child process on 127.0.0.1 with the default model and the document's cache,
 asks each distinct question alone first, then all clients at once, checks every streamed answer equals the
@@ -116,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--doc", default=str(Path(__file__).resolve().parent.parent / "samples" / "document.txt"))
+    parser.add_argument("--doc", default=str(Path(__file__).resolve().parents[2] / "samples" / "document.txt"))
     parser.add_argument("--max-rss-growth-mb", type=float, default=256,
                         help="exit 1 if the server's RSS grows more than this under load (the bound test_http_load.py once held)")
     args = parser.parse_args()

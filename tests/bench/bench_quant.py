@@ -4,7 +4,7 @@ Runs the default model over the sample document (about 4k tokens, float32), answ
 from the lossless cache (the reference), then for each (bits, group size, exact tokens, recent tokens) quantizes
 every layer through the real codec and reports on disk / raw, teacher-forced agreement and (with --whole)
 the share of whole greedy answers identical (format/quant.py, engine/fidelity.py). One prefill serves every
-scheme, so a sweep costs only the answers. Usage: python tests/bench_quant.py [--tokens 4096] [--questions 8]
+scheme, so a sweep costs only the answers. Usage: python tests/bench/bench_quant.py [--tokens 4096] [--questions 8]
 [--new 64] [--recent 0,32,64,128] [--whole]
 """
 
@@ -25,13 +25,13 @@ from kvcli.engine.model import models
 from kvcli.engine.cache.kvcache import KVCache
 from kvcli.format import codec
 
-SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 
 
 def questions(n: int) -> list[str]:
     lines = []
     for name in ("questions.txt", "questions-more.txt"):
-        lines += [l.strip() for l in (SAMPLES / name).read_text().splitlines() if l.strip() and not l.startswith("#")]
+        lines += [line.strip() for line in (SAMPLES / name).read_text().splitlines() if line.strip() and not line.startswith("#")]
     return lines[:n]
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     lm = models.load()
     frame = fr.choose(lm.tokenizer, "auto", None)
-    doc = bench._document_of(lm, frame, documents.read(SAMPLES / "document.txt"), args.tokens)
+    doc = bench.document_of(lm, frame, documents.read(SAMPLES / "document.txt"), args.tokens)
     ids = pf.document_token_ids(lm, doc, frame)
     states = layers.read(pf.run_chunks(lm, ids, pf.DEFAULT_CHUNK))
     states = [layers.LayerState(s.kind, s.keys.clone(), s.values.clone(), s.seq_length, s.sliding_window) for s in states]

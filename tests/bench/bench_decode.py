@@ -1,7 +1,7 @@
 """One question's decode against transformers' own, on the same weights and cache (a script, not collected):
 
-    python tests/bench_decode.py [--tokens 32] [--rounds 5] [--busy N] [--cache DIR] [--json]
-    python tests/bench_decode.py --profile [--steps 10]
+    python tests/bench/bench_decode.py [--tokens 32] [--rounds 5] [--busy N] [--cache DIR] [--json]
+    python tests/bench/bench_decode.py --profile [--steps 10]
 
 Default: in one process, taking turns, decode ms per token (after the first token) of kvcli's
 Session.ask (the engine thread, the lone row on the document's cache) and of transformers' generate()
@@ -12,7 +12,7 @@ one-row decode steps (SoloDecoder in this thread: as shipped, with every product
 and with none, engine/model/linear.py), lists torch.profiler's top ops by self CPU time, and
 times the one-row products of the step's shapes alone at 1 and 2 torch threads. Prints the CPU, its
 flags, the thread count and the load average before and after. With no --cache the sample document is
-prefilled into tests/.bench-decode/ (reused by later runs).
+prefilled into tests/bench/.bench-decode/ (reused by later runs).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SAMPLES = HERE.parent / "samples"
+SAMPLES = HERE.parents[1] / "samples"
 WORK = HERE / ".bench-decode"
 QUESTION = "What does the word Licensor mean in this license?"
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")

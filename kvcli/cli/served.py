@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from .errors import ServerError
+from ..errors import ServerError
 from .output import Output
 
 
@@ -20,9 +20,9 @@ def client_model(model: Optional[str]) -> Optional[str]:
 
 def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: list[Optional[str]], *, render=None) -> Optional[int]:
     """Run ask/prefill on a running server (None when none answers and none is required), handing its events
-    to `render` (kvcli/rendering.py: what the in-process path renders its own events with), messages with
+    to `render` (cli/rendering.py: what the in-process path renders its own events with), messages with
     paths spelled as the user gave them."""
-    from .serve import client
+    from ..serve import client
 
     where = client.socket_path()
     conn = client.open_request(where, op, fields)
@@ -72,8 +72,8 @@ def autostart(out: Output, where) -> bool:
     start is serialised by a lock beside the socket, and the second finds the first's server."""
     if not autostart_allowed():
         return False
-    from . import units
-    from .serve import client, server as sv
+    from .. import units
+    from ..serve import client, server as sv
 
     idle = os.environ.get("KVCLI_AUTOSTART_IDLE") or AUTOSTART_IDLE
     units.parse_duration(idle, "KVCLI_AUTOSTART_IDLE")  # a bad value is a usage error here, not a server that dies at start
@@ -104,7 +104,7 @@ def _messages(out: Output):
 def answers(out: Output, require: Optional[bool]) -> bool:
     """Whether a server answers on the socket, started here if none does and autostart allows
     (ServerError if none does and one is required)."""
-    from .serve import client
+    from ..serve import client
 
     where = client.socket_path()
     if client.ping(where) or (require is None and autostart(out, where)):
