@@ -114,7 +114,7 @@ def test_help_texts_say_what_each_command_takes():
     assert usage["rm"].endswith(" CACHE...") and usage["verify"].endswith(" CACHE...") and usage["count"].endswith(" DOC...")
     assert usage["prefill"].endswith(" [DOC]...") and usage["ask"].endswith(" [QUESTION]...")
     for cmd in ("ask", "chat"):  # the range shown is the range accepted: 0 is refused
-        assert "0.0<x<=1.0" in text[cmd] and "0.0<=x" not in text[cmd]
+        assert "above 0 and at most 1" in text[cmd] and "0.0<=x" not in text[cmd]
         assert "the model the cache was built with" in text[cmd] and "$KVCLI_MODEL" not in text[cmd]
     for cmd in ("prefill", "count", "bench"):
         assert "$KVCLI_MODEL" in text[cmd] and "for ask" not in text[cmd]
