@@ -1,7 +1,9 @@
-"""kvcli chat: a conversation about one cached document, a question per line (library: engine.conversation).
+"""kvcli chat: a conversation about one cached document, a question per line (library: engine.prompt.conversation).
 
+One loop, in-process and served: each turn is one ask request carrying the conversation so far, sent to the running
+server or run here by events.ask_events on the session loaded once; the loop renders its events with one AskRenderer.
 Questions from a pipe get their answers labelled as ask labels several (`==> Q <==`). A conversation that fills
-the model's positions ends the chat (exit 0, the reason on stderr), in-process and served alike."""
+the model's positions ends the chat (exit 0, the reason on stderr)."""
 
 from __future__ import annotations
 
@@ -76,7 +78,8 @@ def chat(
         from .ask import _check_request
 
         opts = an.GenerationOptions(**checked)
-        loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
+        loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                              progress=out.note)
         local = local_cache(cache, out, check=lambda m: loader.fits(m, shown(cache), convert_dtype=convert_dtype))
         _check_request(local, shown(cache), dtype, convert_dtype)
         with out.status(f"loading {shown(cache)}"):
