@@ -48,7 +48,7 @@ class AskRenderer:
 
     def __init__(self, out: Output, caches: Sequence[str], *, questions: int, json_out: bool = False, null: bool = False,
                  served: bool = False, once: set | None = None, max_new_tokens: int | None = None, labelled: bool = False):
-        self.once = once  # warnings already shown (a served chat: its cache's warnings once, not at every turn)
+        self.once = once  # warnings already shown (a chat: its cache's warnings once, not at every turn)
         self.max_new_tokens = max_new_tokens
         self.out, self.caches, self.json_out, self.null, self.served = out, list(caches), json_out, null, served
         # headings (terminal) or separator lines (pipe, file) name each of several plain answers; -0 and --json need none

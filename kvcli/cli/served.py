@@ -113,14 +113,3 @@ def answers(out: Output, require: Optional[bool]) -> bool:
         raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")
     return False
 
-
-def chat_turn(out: Output, fields: dict, question: str, cache: str, model: Optional[str], render) -> tuple[int, dict]:
-    """One turn of a served chat: (exit code, the fields of the next turn, with the conversation so far as history).
-    render: the chat's one AskRenderer (every turn's answer is added to its `answers`; warnings shown once)."""
-    before = len(render.answers)
-    code = run(out, True, "ask", {**fields, "questions": [question]}, [cache, model], render=render)
-    if code or len(render.answers) == before:
-        return code or 1, fields
-    a = render.answers[-1]
-    history = [[h["question"], h["answer"]] for h in a.get("history", [])] + [[a["question"], a["answer"]]]
-    return 0, {k: v for k, v in fields.items() if not k.startswith("follow_up")} | {"history": history}
