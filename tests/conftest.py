@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the model hub
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one of the README test command's parallel workers (as many as cores):
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one torch thread each, so no worker's OpenMP spins against another's
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ["KVCLI_AUTOSTART"] = "0"  # module fixtures start kvcli processes before any test runs: none may start a background server
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 collect_ignore = ["bench"]  # development benchmarks and scripts, each run as a file: python tests/bench/NAME.py
 
