@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one of the README test command's pa
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one torch thread each, so no worker's OpenMP spins against another's
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ["KVCLI_AUTOSTART"] = "0"  # module fixtures start kvcli processes before any test runs: none may start a background server
+os.environ["KVCLI_SOCKET"] = os.path.join(tempfile.gettempdir(), f"kvcli-tests-{os.getpid()}-none.sock")  # and never reach a running one
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 collect_ignore = ["bench"]  # development benchmarks and scripts, each run as a file: python tests/bench/NAME.py
 
