@@ -129,8 +129,7 @@ def prefill(
     None (the default) stores it losslessly."""
     if chunk_size < 1:
         raise UsageError(f"--chunk-size must be positive, got {chunk_size}")
-    if kv_bits is not None and kv_bits not in mf.KV_BITS:
-        raise UsageError(f"--kv-bits must be 8 or 4 (or absent for lossless), got {kv_bits}")
+    mf.check_kv_bits(kv_bits)
     if exact_tokens is None:
         exact_tokens = QUANT_EXACT.get(kv_bits, 0)
     if recent_tokens is None:
