@@ -1,11 +1,12 @@
 """One `ask` request -> a stream of events, the same whichever front end runs it.
 
 The in-process CLI and the socket server both run `ask_events`; the CLI renders the events it emits
-(kvcli/rendering.py) exactly as it renders the events a server sends, so a served ask prints what an
+(kvcli/cli/rendering.py) exactly as it renders the events a server sends, so a served ask prints what an
 in-process one prints: warnings, per-cache errors, streamed text, answers, checks.
 
-Events (dicts, JSON-ready): warning {message, about: "cache" for the cache's own, once per chat}; error {message, hint, exit_code} (one cache of several
-failed); begin {index, question, cache}; text {text}; answer {index, answer}; check {index, message}.
+Events (dicts, JSON-ready): warning {message, about: "cache" for the cache's own, once per chat};
+error {message, hint, exit_code} (one cache of several failed); begin {index, question, cache}; text {text};
+answer {index, answer}; check {index, message}.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one of the README test command's pa
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one torch thread each, so no worker's OpenMP spins against another's
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+collect_ignore = ["bench"]  # development benchmarks and scripts, each run as a file: python tests/bench/NAME.py
 
 
 @pytest.fixture(scope="session")

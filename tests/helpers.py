@@ -36,7 +36,7 @@ def assert_clean_error(result, code: int, *needles: str) -> str:
 
 def piped(answers: list[dict], several_caches: bool = False) -> str:
     """What `kvcli ask` prints on a pipe for these `--json` answers: each after its `==> QUESTION <==` line."""
-    from kvcli.rendering import separator
+    from kvcli.cli.rendering import separator
 
     if len(answers) == 1:
         return answers[0]["answer"] + "\n"

@@ -9,6 +9,7 @@ import pytest
 
 from kvcli import bench
 from kvcli.documents import decode
+from kvcli.engine.prefilling import ANSWER_ROOM
 from kvcli.errors import UsageError
 from tests.conftest import SAMPLES, sample_text, tiny_llama
 from tests.helpers import assert_clean_error, run
@@ -57,9 +58,9 @@ def test_default_sizes_stop_at_the_model_limit(tiny_lm):
     class Capped:
         max_positions = 8192
 
-    assert bench.default_sizes(Capped()) == [1024, 2048, 4096, 8192 - bench.pf.ANSWER_ROOM]
+    assert bench.default_sizes(Capped()) == [1024, 2048, 4096, 8192 - ANSWER_ROOM]
     Capped.max_positions = 2048
-    assert bench.default_sizes(Capped()) == [1024, 2048 - bench.pf.ANSWER_ROOM]
+    assert bench.default_sizes(Capped()) == [1024, 2048 - ANSWER_ROOM]
     Capped.max_positions = None
     assert bench.default_sizes(Capped()) == [1024, 2048, 4096, 8192]
 
@@ -68,7 +69,7 @@ def test_limit_sizes_double_from_1k_up_to_the_model_limit():
     class Capped:
         max_positions = 32768
 
-    room = bench.pf.ANSWER_ROOM
+    room = ANSWER_ROOM
     assert bench.limit_sizes(Capped()) == [1024, 2048, 4096, 8192, 16384, 32768 - room]
     Capped.max_positions = 8192
     assert bench.limit_sizes(Capped()) == [1024, 2048, 4096, 8192 - room]
@@ -93,7 +94,7 @@ def test_bench_tokens_max_measures_doubling_lengths_up_to_the_limit(long_limit_d
                  "--answer-tokens", "2", "--decode-tokens", "4", "--json")
     assert result.exit_code == 0, result.stderr
     body = json.loads(result.stdout)
-    assert [r["tokens_asked"] for r in body["sizes"]] == [1024, 1800 - bench.pf.ANSWER_ROOM]
+    assert [r["tokens_asked"] for r in body["sizes"]] == [1024, 1800 - ANSWER_ROOM]
     for r in body["sizes"]:  # the document cut to at most each length (a cut can merge the last tokens)
         assert r["tokens_asked"] - 4 <= r["tokens"] <= r["tokens_asked"]
     for r in body["sizes"]:

@@ -63,6 +63,29 @@ def test_ask_json_fed_back_for_a_follow_up(cached, tmp_path):
     assert json_lines(chat.stdout)[0]["answer_token_ids"] == json_lines(third.stdout)[0]["answer_token_ids"]
 
 
+def test_a_served_chat_prints_what_an_in_process_one_prints(cached, tmp_path, monkeypatch):
+    """The one chat loop both ways, from a --follow-up file: the same answers, histories and stderr."""
+    folder, _lm = cached
+    first = run("ask", "--cache", folder / "doc.kv", "--max-new-tokens", 8, "--json", "--no-server", Q1)
+    (tmp_path / "turn1.jsonl").write_text(first.stdout)
+    args = ("chat", "--cache", folder / "doc.kv", "--max-new-tokens", 8, "--json", "--follow-up", tmp_path / "turn1.jsonl")
+    server = ThreadServer(short_dir() / "s.sock")
+    monkeypatch.setenv("KVCLI_SOCKET", str(server.path))
+    try:
+        served = run(*args, "--server", input=f"{Q2}\n\n{Q3}\n")
+    finally:
+        server.close()
+    local = run(*args, "--no-server", input=f"{Q2}\n\n{Q3}\n")
+    assert served.exit_code == local.exit_code == 0, (served.stderr, local.stderr)
+    assert served.stderr == local.stderr
+    here, there = json_lines(local.stdout), json_lines(served.stdout)
+    assert [r["served"] for r in here + there] == [False, False, True, True]
+    turns = [[(r["question"], r["answer_token_ids"], r["history"]) for r in rows] for rows in (here, there)]
+    assert turns[0] == turns[1]
+    a1 = json_lines(first.stdout)[0]["answer"]
+    assert here[1]["history"] == [{"question": Q1, "answer": a1}, {"question": Q2, "answer": here[0]["answer"]}]
+
+
 def test_follow_up_errors(cached, tmp_path):
     folder, _lm = cached
     other = run("ask", "--cache", folder / "other.kv", "--max-new-tokens", 4, "--json", Q1)

@@ -280,7 +280,7 @@ def test_bad_chunk_size_is_a_usage_error(doc_file, tiny_model_dir, tmp_path):
 
 
 def test_each_cut_answer_gets_one_line_on_a_terminal(cache_dir, monkeypatch):
-    from kvcli import output
+    from kvcli.cli import output
 
     monkeypatch.setattr(output, "is_terminal", lambda stream: True)  # stdout and stderr a terminal
     result = run("ask", "-c", cache_dir, "--max-new-tokens", "4", "--no-server", "First?", "Second?")

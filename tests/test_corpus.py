@@ -3,6 +3,7 @@ stop the others, and overlapping shares that still leave one valid cache per doc
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from kvcli.errors import UsageError
 from kvcli.format import store
 from tests.conftest import sample_text
 from tests.helpers import assert_clean_error, json_lines, run
+from tests.serve_helpers import kvcli_cmd
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +227,63 @@ def test_overlapping_shares_leave_one_valid_cache_each(docs, tiny_model_dir, tmp
     assert sorted(p.name for p in out.iterdir()) == [f"doc{i}.kv" for i in range(4)]  # one cache each, no temporary folders
     for d in docs:
         assert store.verify(out / (d.stem + ".kv")).document["sha256"] == __import__("hashlib").sha256(d.read_bytes()).hexdigest()
+
+
+# ---- where several documents' caches go
+
+
+def test_prefill_output_collision_is_refused_before_any_work(tmp_path, tiny_model_dir):
+    for sub in ("d1", "d2"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "lic.txt").write_text(f"Document {sub} about licences.", encoding="utf-8")
+    out = tmp_path / "coll"
+    result = run("prefill", tmp_path / "d1/lic.txt", tmp_path / "d2/lic.txt", "-o", out, "--force", "--model", tiny_model_dir)
+    line = assert_clean_error(result, 2, "d1/lic.txt", "d2/lic.txt", "lic.kv")
+    assert "both" in line and not out.exists()
+
+
+def test_cache_names_keep_every_dot_but_a_text_extension(tmp_path, tiny_model_dir):
+    for name in ("MPL-2.0", "LGPL-2", "LGPL-2.1", "notes.MD"):
+        (tmp_path / name).write_text(f"The licence called {name}, in a few words.", encoding="utf-8")
+    one = run("prefill", tmp_path / "MPL-2.0", "--model", tiny_model_dir)
+    assert one.exit_code == 0, one.stderr
+    several = run("prefill", tmp_path / "LGPL-2", tmp_path / "LGPL-2.1", tmp_path / "notes.MD", "--model", tiny_model_dir)
+    assert several.exit_code == 0, several.stderr
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == ["LGPL-2.1.kv", "LGPL-2.kv", "MPL-2.0.kv", "notes.kv"]
+    asked = run("ask", "--cache", tmp_path / "MPL-2.0.kv", "--model", tiny_model_dir, "--max-new-tokens", "2", "Which licence?")
+    assert asked.exit_code == 0, asked.stderr
+
+
+def test_output_folder_for_several_documents_is_created(tmp_path, tiny_model_dir):
+    doc_file = tmp_path / "lic.txt"
+    doc_file.write_text(sample_text()[:2500], encoding="utf-8")
+    other = tmp_path / "other.txt"
+    other.write_text("A short document about ducks and ponds.", encoding="utf-8")
+    out = tmp_path / "new" / "sub"
+    result = run("prefill", doc_file, other, "-o", out, "--model", tiny_model_dir)
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["lic.kv", "other.kv"]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert_clean_error(run("prefill", doc_file, other, "-o", afile, "--model", tiny_model_dir), 2, "afile", "folder")
+
+
+def test_from_list_creates_the_output_folder_under_concurrent_tasks(tiny_model_dir, tmp_path):
+    docs = []
+    for i in range(3):
+        d = tmp_path / f"doc{i}.txt"
+        d.write_text(f"Document number {i} is about ducks.", encoding="utf-8")
+        docs.append(d)
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{d}\n" for d in docs), encoding="utf-8")
+    out = tmp_path / "new" / "deeper"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(kvcli_cmd("prefill", "--from-list", listing, "--shard", f"{i}/3", "-o", out, "--model", tiny_model_dir,
+                                        "--no-server"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for i in range(3)]
+    results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+    assert all(code == 0 for code, _ in results), results
+    assert sorted(p.name for p in out.iterdir()) == ["doc0.kv", "doc1.kv", "doc2.kv"]
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert_clean_error(run("prefill", "--from-list", listing, "-o", afile, "--model", tiny_model_dir), 2, "afile", "folder")

@@ -10,6 +10,7 @@ load, in-process and in the server (the weight loader is replaced by one that fa
 
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 
@@ -18,8 +19,8 @@ import pytest
 from kvcli.documents import decode
 from kvcli.engine import counting, throughput
 from kvcli.engine.model import light
-from tests.conftest import sample_text
-from tests.helpers import assert_clean_error, json_lines, run
+from tests.conftest import sample_text, tiny_llama
+from tests.helpers import assert_clean_error, error_lines, json_lines, run, run_python
 
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048)
@@ -353,3 +354,79 @@ def test_the_samples_readme_states_the_sample_documents_token_count():
     assert result.exit_code == 0, result.stderr
     tokens = json_lines(result.stdout)[0]["tokens"]
     assert f"{tokens:,} tokens with the default model" in (SAMPLES / "README.md").read_text()
+
+
+# ---- count against prefill
+
+
+def test_count_matches_prefill_without_the_weights(cache, tiny_model_dir, tmp_path):
+    import kvcli
+
+    no_weights = tmp_path / "config-only"
+    shutil.copytree(tiny_model_dir, no_weights, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    result = run("count", cache.with_suffix(".txt"), "--model", no_weights, "--json")
+    assert result.exit_code == 0, result.stderr
+    (c,) = json_lines(result.stdout)
+    m = kvcli.read_manifest(cache)
+    assert c["tokens"] == m.num_tokens and c["bytes_raw"] == m.bytes_raw and c["dtype"] == "float32"
+    assert c["bytes_on_disk_estimate"] == round(0.83 * m.bytes_raw)
+    assert c["max_positions"] == 8192 and c["room"] == 8192 - m.num_tokens and c["fits"] is True
+    assert (c["prefill_s_estimate"] is None) == (c["prefill_s_reason"] is not None)  # stated, or why not
+    human = run("count", cache.with_suffix(".txt"), "--model", no_weights)
+    assert human.exit_code == 0 and f"{m.num_tokens:,}" in human.stdout and "estimate" in human.stderr
+
+
+def test_count_flags_a_document_too_long(tmp_path, tiny_model_dir):
+    long = tmp_path / "long.txt"
+    long.write_text(sample_text(60_000), encoding="utf-8")
+    result = run("count", long, "--model", tiny_model_dir, "--json")
+    assert result.exit_code == 1 and "long.txt" in error_lines(result)[0]
+    (c,) = json_lines(result.stdout)
+    assert c["tokens"] > 8192 and c["fits"] is False and c["room"] < 0
+
+
+def test_count_imports_no_model_code(cache, tiny_model_dir):
+    code = ("import sys, time, resource\nfrom kvcli.cli import app\nt0 = time.perf_counter()\n"
+            f"try:\n    app(['count', {str(cache.with_suffix('.txt'))!r}, '--model', {str(tiny_model_dir)!r}, '--json'], prog_name='kvcli')\n"
+            "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            "import json\nprint(json.dumps({'torch': 'torch' in sys.modules,"
+            " 'modeling': sorted(m for m in sys.modules if m.startswith('transformers.models.') and '.modeling_' in m),"
+            " 's': time.perf_counter() - t0, 'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n")
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # no model code: 0.2 built the model on the meta device (transformers.models.llama.modeling_llama and
+    # its imports); and no torch: config.json and the tokenizer are read without it (engine/model/light.py)
+    assert got["modeling"] == [] and got["torch"] is False, got
+    (c,) = json_lines(proc.stdout.strip().splitlines()[0])
+    assert (c["prefill_s_estimate"] is None) == (c["prefill_s_reason"] is not None)  # stated, or why not
+
+
+def test_count_parameters_match_the_model(tiny_model_dir):
+    counter = counting.Counter(str(tiny_model_dir))
+    model = tiny_llama(counter.tokenizer.__len__())
+    assert counter.params == sum(p.numel() for p in model.parameters())
+
+
+# ---- a model that is not where it was
+
+
+def test_moved_model_folder_is_named(cache, tiny_model_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    moved_cache = tmp_path / "c.kv"
+    assert run("prefill", cache.with_suffix(".txt"), "-o", moved_cache, "--model", model).exit_code == 0
+    model.rename(tmp_path / "moved")
+    result = run("ask", "-c", moved_cache, "Q?")
+    line = assert_clean_error(result, 1, str(model), "no longer exists")
+    assert "Repo id" not in result.stderr and "--model" in result.stderr
+    assert run("ask", "-c", moved_cache, "Q?", "--model", tmp_path / "moved", "--max-new-tokens", "2").exit_code == 0, line
+
+
+@pytest.mark.parametrize("spec", ["./nope", "ABSOLUTE", "sub/nope", "not a model"])
+def test_missing_model_path_is_not_a_hub_id(cache, tmp_path, spec, monkeypatch):
+    (tmp_path / "sub").mkdir()  # "sub/nope": relative, under a folder that exists here
+    monkeypatch.chdir(tmp_path)
+    spec = str(tmp_path / "nope") if spec == "ABSOLUTE" else spec
+    line = assert_clean_error(run("prefill", cache.with_suffix(".txt"), "-o", tmp_path / "x.kv", "--model", spec), 1, spec, "no such model folder")
+    assert "hub" not in line and not (tmp_path / "x.kv").exists()

@@ -110,7 +110,7 @@ def long_document(tiny_lm, tokenizer):
     """The sample repeated and cut to 16,384 framed tokens of this tokenizer, as kvcli bench builds its lengths."""
     from kvcli import bench
 
-    return bench._document_of(tiny_lm, fr.choose(tokenizer, "auto", None), decode(sample_text().encode(), "licence.txt"), LONG_DOC)
+    return bench.document_of(tiny_lm, fr.choose(tokenizer, "auto", None), decode(sample_text().encode(), "licence.txt"), LONG_DOC)
 
 
 def _long_model(name: str, tokenizer):

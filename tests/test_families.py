@@ -111,7 +111,8 @@ FAMILIES = {
     "diffllama": ("diffllama", dict(TINY, num_key_value_heads=2)),
 }
 
-SEEDS = {"opt": 1, "starcoder2": 1, "gpt_neox": 1, "falcon": 1, "falcon-40b": 1, "falcon-rw": 1}  # seed 0 gives these a degenerate or question-blind answer
+# seed 0 gives these a degenerate or question-blind answer
+SEEDS = {"opt": 1, "starcoder2": 1, "gpt_neox": 1, "falcon": 1, "falcon-40b": 1, "falcon-rw": 1}
 
 
 def _sharpen_qk_norms(model) -> None:

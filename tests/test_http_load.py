@@ -2,7 +2,7 @@
 
 Bounded in count (16 clients, 8 tokens each) and time (every request and the whole run time out).
 All must be answered, each identical to the same question asked alone, and the server must stay up. Its
-memory growth under load is a measurement, not a unit test's bound: tests/bench_http.py reports it
+memory growth under load is a measurement, not a unit test's bound: tests/bench/bench_http.py reports it
 (rss_growth_mb) and fails above --max-rss-growth-mb.
 """
 
@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 
 import kvcli  # noqa: E402
 from kvcli.documents import decode  # noqa: E402
-from tests.bench_http import QUESTIONS, Server, ask_streaming, load  # noqa: E402
+from tests.bench.bench_http import QUESTIONS, Server, ask_streaming, load  # noqa: E402
 from tests.conftest import sample_text  # noqa: E402
 
 CLIENTS = 16

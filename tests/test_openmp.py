@@ -1,6 +1,6 @@
 """A thread that waits while another computes gives back its OpenMP workers (engine/scheduling/openmp.py).
 
-The speed this buys is measured by tests/bench_handoff.py, never here; these tests check that the pool
+The speed this buys is measured by tests/bench/bench_handoff.py, never here; these tests check that the pool
 really goes (its worker threads end), that parallel kernels still compute right afterwards in any
 thread, and that the engine's asker and the engine thread both give theirs back around a question.
 """

@@ -128,7 +128,8 @@ def test_round_trip_and_no_second_download(s3, bucket, docs, tiny_model_dir, tmp
     built = run("prefill", *docs, "-o", prefix, "--model", tiny_model_dir, "--json")
     assert built.exit_code == 0, built.stderr
     assert [r["status"] for r in json_lines(built.stdout)] == ["built", "built"]
-    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{bucket}/caches/doc0.kv")) == ["layer_000.safetensors.zst", "layer_001.safetensors.zst", "manifest.json"]
+    names = sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{bucket}/caches/doc0.kv"))
+    assert names == ["layer_000.safetensors.zst", "layer_001.safetensors.zst", "manifest.json"]
 
     listed = run("ls", prefix, "--json")
     assert listed.exit_code == 0, listed.stderr

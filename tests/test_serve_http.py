@@ -131,7 +131,8 @@ def test_ask_follow_up_through_the_server(world, here, tmp_path):
     local = run("ask", "--no-server", "--cache", "docs/a.kv", "--max-new-tokens", 8, "--json", "--follow-up", tmp_path / "t1.jsonl", Q2)
     s, loc = json_lines(served.stdout)[0], json_lines(local.stdout)[0]
     assert s["served"] is True and loc["served"] is False
-    assert s["answer_token_ids"] == loc["answer_token_ids"] and s["history"] == loc["history"] == [{"question": Q1, "answer": json_lines(first.stdout)[0]["answer"]}]
+    assert s["answer_token_ids"] == loc["answer_token_ids"]
+    assert s["history"] == loc["history"] == [{"question": Q1, "answer": json_lines(first.stdout)[0]["answer"]}]
     wrong = {k: assert_clean_error(run("ask", *flag, "--cache", "docs/b.kv", "--follow-up", tmp_path / "t1.jsonl", Q2), 2, "another document")
              for k, flag in (("served", ()), ("local", ("--no-server",)))}
     assert wrong["served"] == wrong["local"]

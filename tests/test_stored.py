@@ -16,7 +16,7 @@ import kvcli
 from kvcli.engine.model import stored
 from kvcli.errors import CacheMismatchError, ModelError
 from tests.conftest import SAMPLES, reference_answer
-from tests.helpers import assert_clean_error, json_lines, run
+from tests.helpers import json_lines, run
 
 QUESTION = "Who may grant a patent license under this license?"
 

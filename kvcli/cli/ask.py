@@ -8,11 +8,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from .. import served
+from . import served
 from ..errors import UsageError
 from ..generation import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS
-from ..output import Output
-from ..rendering import AskRenderer
+from .output import Output
+from .rendering import AskRenderer
 from .app import command
 from .common import gather_questions, local_cache, read_answer_json, shown
 from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,

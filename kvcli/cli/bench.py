@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import UsageError
-from ..output import Output
+from .output import Output
 from .app import command
 from .common import gather_questions
 from .options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, WeightsOpt
@@ -59,7 +59,7 @@ def bench(
 
 def _lengths(values: list[str]) -> list[int] | str | None:
     """--tokens as bench.run takes it: the lengths, "max" alone, or None (the default lengths)."""
-    from ..bench_timing import TO_THE_LIMIT
+    from ..bench import TO_THE_LIMIT
 
     if TO_THE_LIMIT in values:
         if len(values) > 1:

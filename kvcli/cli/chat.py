@@ -1,7 +1,9 @@
-"""kvcli chat: a conversation about one cached document, a question per line (library: engine.conversation).
+"""kvcli chat: a conversation about one cached document, a question per line (library: engine.prompt.conversation).
 
+One loop, in-process and served: each turn is one ask request carrying the conversation so far, sent to the running
+server or run here by events.ask_events on the session loaded once; the loop renders its events with one AskRenderer.
 Questions from a pipe get their answers labelled as ask labels several (`==> Q <==`). A conversation that fills
-the model's positions ends the chat (exit 0, the reason on stderr), in-process and served alike."""
+the model's positions ends the chat (exit 0, the reason on stderr)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ from typing import Annotated
 
 import typer
 
-from .. import served
+from . import served
 from ..errors import PromptTooLongError, UsageError
 from ..generation import DEFAULT_MAX_NEW_TOKENS
-from ..output import Output, is_terminal
-from ..rendering import AskRenderer, positions_ran_out
+from .output import Output, is_terminal
+from .rendering import AskRenderer, positions_ran_out
 from .app import command
 from .common import local_cache, read_answer_json, shown
 from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
@@ -56,63 +58,56 @@ def chat(
     checked = check_options(options)
     from ..remote import is_url
 
-    def renderer(**served_args) -> AskRenderer:  # one per chat, as in-process and served print alike
-        return AskRenderer(out, [shown(cache)], questions=1, json_out=json_out, max_new_tokens=max_new_tokens,
-                           labelled=not is_terminal(sys.stdin), **served_args)
-
-    if server is not False and not is_url(cache) and served.answers(out, server):  # the conversation goes through the running server
+    through = server is not False and not is_url(cache) and served.answers(out, server)  # the turns go through the running server
+    render = AskRenderer(out, [shown(cache)], questions=1, json_out=json_out, max_new_tokens=max_new_tokens, served=through,
+                         labelled=not is_terminal(sys.stdin), once=set())  # once: the cache's warnings once per chat, not per turn
+    if through:
         fields = {"caches": [os.path.abspath(cache)], "options": options, "model": served.client_model(model), "revision": revision,
                   "device": device, "dtype": dtype, "convert_dtype": convert_dtype, "trust_remote_code": trust_remote_code,
                   "stream": not json_out}
-        if earlier is not None:
-            fields.update(follow_up=earlier, follow_up_name=str(follow_up))
-        render = renderer(served=True, once=set())  # once: the cache's warnings once per chat (each turn is a request)
-        while (line := out.read_line("> ")) is not None:
-            if line.strip():
-                try:
-                    code, fields = served.chat_turn(out, fields, line, str(cache), model, render)
-                except PromptTooLongError as exc:
-                    if not (fields.get("history") or fields.get("follow_up")):
-                        raise
-                    return _full(out, str(exc).removeprefix("question too long: "))
-                if code:
-                    raise typer.Exit(code)
-                if positions_ran_out(render.answers[-1], max_new_tokens):
-                    return _full(out, "the last answer used the model's last positions")
-        return 0
-    from ..engine import answer as an
-    from ..engine.prompt import conversation
+        start = {"follow_up": earlier, "follow_up_name": str(follow_up)} if earlier is not None else {}
 
-    opts = an.GenerationOptions(**checked)
-    loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
-    local = local_cache(cache, out, check=lambda m: loader.fits(m, shown(cache), convert_dtype=convert_dtype))
-    from .ask import _check_request
+        def turn(question: str, history: list | None) -> int:  # one request per turn, carrying the conversation so far
+            conv = start if history is None else {"history": history}
+            return served.run(out, True, "ask", {**fields, **conv, "questions": [question]}, [str(cache), model], render=render)
+    else:  # in-process: the model and the cache load here, and each turn runs the served turn's events (kvcli/events.py)
+        from contextlib import nullcontext
 
-    _check_request(local, shown(cache), dtype, convert_dtype)
-    with out.status(f"loading {shown(cache)}"):
-        session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
-    for warning in session.warnings:
-        out.warn(warning)
-    talk = conversation.Chat(session, conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier else ())
-    from ..events import room_warning
+        from ..engine import answer as an
+        from ..engine.prompt import conversation
+        from ..events import ask_events
+        from .ask import _check_request
 
-    render = renderer()
+        opts = an.GenerationOptions(**checked)
+        loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                              progress=out.note)
+        local = local_cache(cache, out, check=lambda m: loader.fits(m, shown(cache), convert_dtype=convert_dtype))
+        _check_request(local, shown(cache), dtype, convert_dtype)
+        with out.status(f"loading {shown(cache)}"):
+            session = an.Session(loader.for_cache(local), local, convert_dtype=convert_dtype)
+        for warning in session.warnings:  # before the first question; each turn's repeat is dropped by render.once
+            render({"event": "warning", "message": warning, "about": "cache"})
+        first = conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier else []
+
+        def turn(question: str, history: list | None) -> int:
+            return ask_events(lambda _path: nullcontext(session), [str(cache)], [question], opts, emit=render, stream=not json_out,
+                              history_for=lambda _s: first if history is None else history, shown=shown)
+    history = None  # [[question, answer], ...] once a turn has answered
     while (line := out.read_line("> ")) is not None:
         if not line.strip():
             continue
-        try:  # as a served turn: a prompt that does not fit is refused before the answer begins
-            session.check_prompt(line, talk.history, opts)
+        before = len(render.answers)
+        try:  # a prompt that does not fit is refused before its answer begins
+            code = turn(line, history)
         except PromptTooLongError as exc:
-            if not talk.history:
+            if not (history or earlier):
                 raise
-            return _full(out, str(exc).removeprefix("question too long: "))
-        warning = room_warning(session, shown(cache), line, talk.history, opts.max_new_tokens)  # as a served turn warns
-        if warning:
-            render({"event": "warning", "message": warning})
-        render({"event": "begin", "index": 0, "question": line, "cache": str(cache)})
-        a = talk.ask(line, opts, on_text=None if json_out else lambda t: render({"event": "text", "text": t}))
-        render({"event": "answer", "index": 0, "answer": a.to_json()})
-        if positions_ran_out(render.answers[-1], max_new_tokens):
+            return _full(out, exc.reason)
+        if code or len(render.answers) == before:
+            raise typer.Exit(code or 1)
+        a = render.answers[-1]
+        history = [[h["question"], h["answer"]] for h in a.get("history", [])] + [[a["question"], a["answer"]]]
+        if positions_ran_out(a, max_new_tokens):
             return _full(out, "the last answer used the model's last positions")
     return 0
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import UsageError
-from ..output import Output
+from .output import Output
 
 
 def local_cache(path: str, out: Output, check=None) -> Path:

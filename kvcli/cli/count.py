@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from ..errors import UsageError
-from ..output import Output, human_bytes
+from .output import Output, human_bytes
 from .app import command
 from .options import DtypeOpt, EncodingOpt, FramingOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, SystemOpt, TrustOpt
 

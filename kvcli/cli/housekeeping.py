@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from ..output import Output, human_bytes
+from .output import Output, human_bytes
 from .app import command
 from .common import human_age
 from .options import JsonOpt, QuietOpt

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..errors import KvcliError
-from ..output import Output, human_bytes
+from .output import Output, human_bytes
 from .app import command
 from .common import shown
 from .options import JsonOpt, QuietOpt

@@ -28,7 +28,7 @@ CacheDtypeOpt = Annotated[Optional[Literal["float32", "bfloat16", "float16"]], t
 FollowUpOpt = Annotated[Optional[Path], typer.Option("--follow-up", metavar="FILE", help="Continue the conversation of the last line of this `ask --json` output ('-' for stdin).", show_default=False)]
 # sampling options that ask and chat spell alike
 TemperatureOpt = Annotated[float, typer.Option(metavar="T", help="0 for greedy (default).")]
-TopPOpt = Annotated[float, typer.Option(metavar="P", help="Nucleus sampling threshold (with --temperature).")]
+TopPOpt = Annotated[float, typer.Option(metavar="P", help="Nucleus sampling threshold, above 0 and at most 1 (with --temperature).")]
 SeedOpt = Annotated[Optional[int], typer.Option(metavar="S", help="Seed for reproducible sampling.")]
 RepetitionPenaltyOpt = Annotated[float, typer.Option(metavar="R", help="Above 1 makes tokens already in the prompt or answer less likely (generate()'s own; 1: off).")]
 NoRepeatNgramOpt = Annotated[int, typer.Option(metavar="N", help="Never repeat an N-token sequence of the prompt or answer (0: off).")]

@@ -8,11 +8,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from .. import served
+from . import served
 from ..documents import TEXT_EXTENSIONS
 from ..errors import UsageError
-from ..output import Output
-from ..rendering import PrefillRenderer
+from .output import Output
+from .rendering import PrefillRenderer
 from .app import command
 from .options import DeviceOpt, DtypeOpt, EncodingOpt, FramingOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, ServerOpt, SystemOpt, TrustOpt, WeightsOpt
 

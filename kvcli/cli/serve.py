@@ -9,7 +9,7 @@ import typer
 
 from ..errors import ServerError, UsageError
 from ..generation import DEFAULT_BATCH, DEFAULT_HTTP_MAX_TOKENS
-from ..output import Output, human_bytes
+from .output import Output, human_bytes
 from .app import command
 from .common import human_age
 from .options import JsonOpt, QuietOpt, SocketOpt

@@ -34,7 +34,8 @@ class Session:
         with store.open_cache(self.path) as opened:
             self.manifest = opened.manifest
             fit.check_fits(self.manifest, lm, str(self.path), convert_dtype=convert_dtype)
-            self.cache = restore.load_cache(opened, device=lm.device, dtype=lm.dtype)  # the document (rows decoded one at a time grow it, then rewind)
+            # the document (rows decoded one at a time grow it, then rewind)
+            self.cache = restore.load_cache(opened, device=lm.device, dtype=lm.dtype)
         self.framing = fr.Framing.from_record(self.manifest.framing)
         self.warnings = (_version_warnings(self.manifest, self.path) + _provenance_warnings(self.manifest, lm, self.path)
                          + _dtype_warnings(self.manifest, lm, self.path))

@@ -49,7 +49,8 @@ def not_a_cache(path: Path) -> str | None:
         return f"is not a kvcli cache ({mf.MANIFEST_NAME} is not readable JSON)"
     if not isinstance(body, dict) or body.get("format") != mf.FORMAT_NAME:
         return f"is not a kvcli cache ({mf.MANIFEST_NAME} is not a kvcli manifest)"
-    others = sorted(e.name for e in path.iterdir() if e.name != mf.MANIFEST_NAME and not (_SHARD.fullmatch(e.name) and e.is_file() and not e.is_symlink()))
+    others = sorted(e.name for e in path.iterdir()
+                    if e.name != mf.MANIFEST_NAME and not (_SHARD.fullmatch(e.name) and e.is_file() and not e.is_symlink()))
     if others:
         return f"holds files that are not part of a kvcli cache ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
     return None

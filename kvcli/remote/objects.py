@@ -59,7 +59,8 @@ def failures(url: str, missing: type[KvcliError] = CacheMissingError, what: str 
     except FileNotFoundError:
         raise missing(f"{redact(url)}: {what}") from None
     except PermissionError as exc:
-        raise KvcliError(f"{redact(url)}: permission denied ({redact(str(exc))})", hint="check the credentials your object store client uses") from None
+        raise KvcliError(f"{redact(url)}: permission denied ({redact(str(exc))})",
+                         hint="check the credentials your object store client uses") from None
     except Exception as exc:  # network, auth, bucket errors: the backend's own words, credentials stripped
         raise KvcliError(f"{redact(url)}: {exc.__class__.__name__}: {redact(str(exc))}") from None
 

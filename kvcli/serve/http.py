@@ -4,7 +4,8 @@ GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions (streamed as serv
 OpenAI's chunk format, ending with `data: [DONE]`). Errors are OpenAI error objects, never a traceback.
 Each request's answer joins its model's engine (engine/scheduling/scheduler.py), decoded together with every
 other request on that document up to the batch width; at most `max_queue` more requests wait per
-model, more get 503. A client that disconnects, streaming or not, takes its row out at the next step. Binding anything but loopback requires an API key (Bearer token).
+model, more get 503. A client that disconnects, streaming or not, takes its row out at the next step.
+Binding anything but loopback requires an API key (Bearer token).
 
 What a request must be (the rest is refused before any model work): a Host header naming the server
 (loopback names, the bound address, or a name given with `--allow-host`: 400 otherwise, which stops DNS

@@ -47,8 +47,9 @@ class Decoder:
     """The batch, one step at a time: rows join between steps, leave when finished (or dropped).
 
     Holds at most `width` rows in a SharedPrefixCache over the document's `states` (the suffix buffers
-    go with the Decoder: the engine drops a Decoder once its document has no asker left). step() runs one forward pass: the joining rows' own tokens if any wait
-    (they share one padded pass), else one new token for every active row.
+    go with the Decoder: the engine drops a Decoder once its document has no asker left). step() runs one
+    forward pass: the joining rows' own tokens if any wait (they share one padded pass), else one new token
+    for every active row.
     """
 
     def __init__(self, model: Any, states: Sequence[Any], *, width: int, eos: set[int], pad_id: int,

@@ -173,5 +173,6 @@ def from_answer_json(record: Any, token_ids: Sequence[int], where: str = "--foll
         raise ConversationError(f"{where}: history must be a list of {{question, answer}} objects", field=where)
     prompt = record.get("prompt_token_ids")
     if isinstance(prompt, list) and list(prompt[: len(token_ids)]) != list(token_ids):
-        raise ConversationError(f"{where}: that answer came from another document or cache (its prompt does not start with this cache's ids)", field=where)
+        raise ConversationError(f"{where}: that answer came from another document or cache "
+                                "(its prompt does not start with this cache's ids)", field=where)
     return [(h["question"], h["answer"]) for h in history] + [(record["question"], record["answer"])]

@@ -1,0 +1,167 @@
+"""Events (kvcli/events.py) -> the terminal, through Output: one renderer each for ask and prefill, in-process or served.
+
+Imports nothing heavy: the served client renders with it too, and must start fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .output import Output, human_bytes
+
+
+def timing(a: dict[str, Any]) -> str:
+    """The summary line after an answer: tokens, seconds, first token, rate, and whether it was cut short."""
+    n = len(a["answer_token_ids"])
+    total, ttft = a["total_s"], a.get("ttft_s")
+    rate = (n - 1) / (total - ttft) if n > 1 and ttft is not None and total > ttft else None
+    first = f", first token {ttft:.2f} s" if ttft is not None else ""
+    line = f"{n} tokens in {total:.1f} s{first}" + (f", {rate:.1f} tokens/s" if rate else "")
+    return line + (" (cut short)" if a["finish_reason"] == "length" else "")
+
+
+def separator(label: str, first: bool) -> str:
+    """The line before each answer of several on a pipe or file: `==> QUESTION <==` (`==> CACHE: QUESTION <==`
+    with several caches; the question on one line), with a blank line after the previous answer."""
+    return ("" if first else "\n") + f"==> {' '.join(label.split())} <==\n"
+
+
+def positions_ran_out(a: dict[str, Any], max_new_tokens: int | None) -> bool:
+    """Whether a cut answer stopped short of --max-new-tokens: the model's positions ran out first."""
+    return a.get("finish_reason") == "length" and max_new_tokens is not None and len(a["answer_token_ids"]) < max_new_tokens
+
+
+def cut_note(a: dict[str, Any], label: str | None, max_new_tokens: int | None = None) -> str:
+    """The stderr note for an answer cut short (it would otherwise look finished), naming what cut it."""
+    n = len(a["answer_token_ids"])
+    which = f"the answer to {' '.join(label.split())!r}" if label else "the answer"
+    cause = "the model's positions ran out" if positions_ran_out(a, max_new_tokens) else "--max-new-tokens"
+    return f"kvcli: note: {which} was cut at {n} token{'s' * (n != 1)} ({cause}); it may be unfinished"
+
+
+class AskRenderer:
+    """Renders one ask's events: answers on stdout (plain, NUL-ended or JSON lines), the rest on stderr.
+
+    caches: the caches as the user spelled them (JSON lines name those); served: the JSON lines' flag;
+    labelled: name every answer, one question or several (a chat reading its questions from a pipe)."""
+
+    def __init__(self, out: Output, caches: Sequence[str], *, questions: int, json_out: bool = False, null: bool = False,
+                 served: bool = False, once: set | None = None, max_new_tokens: int | None = None, labelled: bool = False):
+        self.once = once  # warnings already shown (a chat: its cache's warnings once, not at every turn)
+        self.max_new_tokens = max_new_tokens
+        self.out, self.caches, self.json_out, self.null, self.served = out, list(caches), json_out, null, served
+        # headings (terminal) or separator lines (pipe, file) name each of several plain answers; -0 and --json need none
+        self.multiple = len(self.caches) * questions > 1 or labelled
+        self.several = self.multiple and not json_out and not null
+        self.answers: list[dict[str, Any]] = []
+        self._labels: dict[int, str] = {}  # cache index -> the question now answered there
+        self._separated = 0
+        self._waiting = None  # the "working" spinner of a question whose first text has not come yet
+
+    def _label(self, index: int, question: str) -> str:
+        return f"{self.caches[index]}: {question}" if len(self.caches) > 1 else question
+
+    def _stop_waiting(self) -> None:
+        if self._waiting is not None:
+            self._waiting.stop()
+            self._waiting = None
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        kind, out = ev.get("event"), self.out
+        if kind != "begin":
+            self._stop_waiting()
+        if kind == "text":
+            out.write(ev["text"])
+        elif kind == "begin":
+            out.check_stdout()  # a reader that left (`| head -1`) cancels the questions still to come
+            label = self._label(ev["index"], ev["question"])
+            self._labels[ev["index"]] = ev["question"]
+            if self.several:
+                if out.stdout_terminal:
+                    out.heading(label)
+                else:
+                    out.write(separator(label, self._separated == 0))
+                self._separated += 1
+            self._stop_waiting()
+            self._waiting = out.waiting(f"working on the question ({len(ev['question']):,} characters)")
+        elif kind == "answer":
+            a = {**ev["answer"], "cache": self.caches[ev["index"]]}
+            self.answers.append(a)
+            if self.json_out:
+                out.json_line({**a, "served": self.served})
+            else:
+                out.write("\0" if self.null else "\n")
+            if a.get("finish_reason") == "length" and not self.json_out:  # one line: the cut, and the timing on a terminal
+                note = cut_note(a, self._label(ev["index"], a.get("question", "")) if self.multiple else None, self.max_new_tokens)
+                out.raw_note(note + (f" ({timing(a).removesuffix(' (cut short)')})" if out.interactive else ""))
+            else:
+                out.summary(timing(a))
+        elif kind == "check":
+            if not self.json_out:
+                out.note(ev["message"])
+        elif kind == "warning":
+            if self.once is not None and ev.get("about") == "cache":
+                if ev["message"] in self.once:
+                    return
+                self.once.add(ev["message"])
+            out.warn(ev["message"])
+        elif kind == "note":
+            out.note(ev["message"])
+        elif kind == "error":
+            out.error(ev["message"], ev.get("hint"))
+
+
+class PrefillRenderer:
+    """Renders one prefill's events: a progress bar per document (on a terminal), a line per cache on stderr,
+    JSON lines on stdout with --json. targets: (document, cache) as the user spelled them."""
+
+    def __init__(self, out: Output, targets: Sequence[tuple[str, str]], *, json_out: bool = False, served: bool = False):
+        self.out, self.targets, self.json_out, self.served = out, [(str(d), str(t)) for d, t in targets], json_out, served
+        self._bar: Any = None  # (context manager, update) of the document being prefilled
+        self._begun = 0
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        kind, out = ev.get("event"), self.out
+        if kind == "begin":
+            self._close()
+            self._begun += 1
+            doc = self.targets[ev["index"]][0]
+            overall = (self._begun, len(self.targets)) if len(self.targets) > 1 else None
+            bar = out.progress(f"prefill {doc}", overall=overall)
+            self._bar = (bar, bar.__enter__())
+        elif kind == "progress":
+            if self._bar is not None:
+                self._bar[1](ev["done"], ev["total"])
+        elif kind == "prefilled":
+            self._close()
+            doc, target = self.targets[ev["index"]]
+            self.report(doc, target, ev["result"])
+        elif kind == "error":
+            self._close()
+            out.error(ev["message"], ev.get("hint"))
+        elif kind == "warning":
+            out.warn(ev["message"])
+        elif kind == "note":
+            out.note(ev["message"])
+
+    def close(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._bar is not None:
+            bar, self._bar = self._bar[0], None
+            bar.__exit__(None, None, None)
+
+    def report(self, doc: str, target: str, r: dict[str, Any]) -> None:
+        """One finished prefill (in-process or served: the same lines)."""
+        out = self.out
+        if self.json_out:
+            out.json_line({"document": doc, "cache": target, "num_tokens": r["num_tokens"], "compute_s": round(r["compute_s"], 4),
+                           "write_s": round(r["write_s"], 4), "bytes_raw": r["bytes_raw"], "bytes_on_disk": r["bytes_on_disk"],
+                           "served": self.served, "storage": r.get("storage", "lossless")})
+        out.note(
+            f"{target}: {r['num_tokens']:,} tokens in {r['compute_s'] + r['write_s']:.1f} s "
+            f"({r['num_tokens'] / max(r['compute_s'], 1e-9):,.0f} tok/s), {human_bytes(r['bytes_on_disk'])} on disk "
+            f"({r['bytes_on_disk'] / r['bytes_raw']:.0%} of {human_bytes(r['bytes_raw'])} raw, {r.get('storage', 'lossless')})"
+        )

@@ -1,0 +1,115 @@
+"""The client side of a served command: ask a running `kvcli serve` and render its events through Output
+exactly as the in-process path renders the same results (paths spelled as the user gave them).
+Imports nothing heavy: this is the path where the CLI must start fast (no torch, numpy, pydantic)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from ..errors import ServerError
+from .output import Output
+
+
+def client_model(model: Optional[str]) -> Optional[str]:
+    """A --model that names a local path, made absolute for the server (a hub id stays as it is)."""
+    if model and (os.path.exists(model) or model.endswith(".gguf") or model.startswith((".", "/", "~")) or model.count("/") > 1):
+        return os.path.abspath(os.path.expanduser(model))
+    return model
+
+
+def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: list[Optional[str]], *, render=None) -> Optional[int]:
+    """Run ask/prefill on a running server (None when none answers and none is required), handing its events
+    to `render` (cli/rendering.py: what the in-process path renders its own events with), messages with
+    paths spelled as the user gave them."""
+    from ..serve import client
+
+    where = client.socket_path()
+    conn = client.open_request(where, op, fields)
+    if conn is None and require is None and autostart(out, where):
+        conn = client.open_request(where, op, fields)
+    if conn is None:
+        if require:
+            raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")
+        return None
+    spelled = sorted({(os.path.abspath(n), n) for n in spellings if n and os.path.abspath(n) != n}, key=lambda p: -len(p[0]))
+
+    def own(text: str) -> str:
+        for absolute, given in spelled:
+            text = text.replace(absolute, given)
+        return text
+
+    render = render or _messages(out)
+    with conn:
+        for ev in conn.events():
+            kind = ev.get("event")
+            if kind == "done":
+                return int(ev.get("exit_code", 1))
+            if kind == "fail":
+                raise client.failure(ev, own)
+            if isinstance(ev.get("message"), str):
+                ev = {**ev, "message": own(ev["message"])}
+            render(ev)
+    raise ServerError(f"{where}: the server stopped before the answer was complete")
+
+
+AUTOSTART_IDLE = "10m"  # how long a server started for a shell loop stays up unused
+
+
+def autostart_allowed() -> bool:
+    """KVCLI_AUTOSTART=0 never starts a server, =1 always does; unset, it does unless CI is set."""
+    value = os.environ.get("KVCLI_AUTOSTART", "").strip().lower()
+    if value in ("0", "no", "off", "false", "never"):
+        return False
+    if value in ("1", "yes", "on", "true", "always"):
+        return True
+    return not os.environ.get("CI")
+
+
+def autostart(out: Output, where) -> bool:
+    """Start a server in the background for the commands that follow (a shell loop of asks), unless
+    autostart is off; True once one answers on `where`. Two shells starting at once get one server: the
+    start is serialised by a lock beside the socket, and the second finds the first's server."""
+    if not autostart_allowed():
+        return False
+    from .. import units
+    from ..serve import client, server as sv
+
+    idle = os.environ.get("KVCLI_AUTOSTART_IDLE") or AUTOSTART_IDLE
+    units.parse_duration(idle, "KVCLI_AUTOSTART_IDLE")  # a bad value is a usage error here, not a server that dies at start
+    with sv.start_lock(where):
+        if client.ping(where, timeout=2.0):
+            return True
+        pid = sv.detach(where, ["--idle-timeout", idle], cwd="/")
+    out.raw_note(f"kvcli: note: started a warm server (pid {pid}; it exits after {idle} unused; 'kvcli serve --stop' stops it, "
+             f"--no-server or KVCLI_AUTOSTART=0 keeps a command in-process)")
+    return True
+
+
+def _messages(out: Output):
+    """A renderer for events of no particular command: notes, warnings, errors."""
+
+    def render(ev: dict) -> None:
+        kind = ev.get("event")
+        if kind == "note":
+            out.note(ev["message"])
+        elif kind == "warning":
+            out.warn(ev["message"])
+        elif kind == "error":
+            out.error(ev["message"], ev.get("hint"))
+
+    return render
+
+
+def answers(out: Output, require: Optional[bool]) -> bool:
+    """Whether a server answers on the socket, started here if none does and autostart allows
+    (ServerError if none does and one is required)."""
+    from ..serve import client
+
+    where = client.socket_path()
+    if client.ping(where) or (require is None and autostart(out, where)):
+        return True
+    if require:
+        raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")
+    return False
+
