@@ -44,6 +44,13 @@ class GenerationError(KvcliError):
 class PromptTooLongError(GenerationError):
     """The prompt (document, any earlier turns, the question) needs every position the model has, or more."""
 
+    LEAD = "question too long: "
+
+    @property
+    def reason(self) -> str:
+        """What does not fit, without the lead (chat and HTTP say it their own way)."""
+        return str(self).removeprefix(self.LEAD)
+
 
 class CacheError(KvcliError):
     """A cache is missing, corrupt, of an unknown format, or does not fit the model: rebuild it."""

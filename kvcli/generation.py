@@ -1,4 +1,5 @@
-"""The one check of generation options, whichever front end they come from (stdlib only: the served CLI imports it).
+"""The one check of generation options and their defaults, whichever front end they come from (stdlib only: the
+CLI imports it at --help time).
 
 The CLI, the socket server (serve/handlers.py) and the HTTP endpoint (serve/openai_api.py) all hand their
 options to `check_options`, so the same bad value gets the same refusal everywhere; only the spelling of
@@ -14,6 +15,9 @@ from typing import Any
 
 from .errors import UsageError
 
+DEFAULT_MAX_NEW_TOKENS = 256  # answer tokens when no --max-new-tokens is given
+DEFAULT_BATCH = 8  # rows one document decodes together (README, "Many questions at once")
+DEFAULT_HTTP_MAX_TOKENS = 4096  # most answer tokens one HTTP request may ask for (serve --max-tokens)
 FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop", "repetition_penalty", "no_repeat_ngram_size")
 CLI_NAMES = {f: "--" + f.replace("_", "-") for f in FIELDS}
 

@@ -96,6 +96,20 @@ def test_other_models_are_read_through_transformers_and_say_so(tmp_path, tokeniz
     assert got.count(DOC).tokens > 0
 
 
+def test_a_multi_query_model_is_counted_with_the_shape_its_fingerprint_records(tmp_path, tokenizer_dir):
+    """count reads heads as prefill's fingerprint does (engine/model/fingerprint.shape): falcon-7b's multi-query
+    attention keeps one key/value head, whatever its attention head count."""
+    from transformers import AutoConfig
+
+    from kvcli.engine.model.fingerprint import shape
+
+    folder = _folder(tmp_path, tokenizer_dir, "falcon", multi_query=True, new_decoder_architecture=False)
+    got = counting.Counter(str(folder))
+    assert shape(AutoConfig.from_pretrained(folder))["num_kv_heads"] == got.kv_heads == 1 and got.head_dim == 16
+    c = got.count(DOC)
+    assert c.bytes_raw == 2 * 1 * 16 * counting.ITEMSIZE[c.dtype] * c.tokens * 4  # keys + values of one head, 4 layers
+
+
 def test_default_model_light_equals_what_prefill_caches(default_lm, monkeypatch):
     """The real default model: count's ids are the ids prefill caches, for each framing."""
     from kvcli.engine import prefilling as pf

@@ -42,7 +42,7 @@ from ..engine.cache import restore
 from ..engine.model.models import LoadedModel
 from ..engine.prompt import framing as fr
 from ..errors import UsageError
-from ..format import store
+from ..format import manifest as mf, store
 from . import decode, formats
 from .decode import BATCH_QUESTIONS, DECODE_TOKENS
 from .formats import RESTORE_REPEATS, TTFT_QUESTIONS
@@ -109,18 +109,15 @@ def run(
 
     note = progress or (lambda _msg: None)
     sizes = limit_sizes(lm) if tokens == TO_THE_LIMIT else sorted(set(tokens)) if tokens else default_sizes(lm)
-    limit = lm.max_positions
     for n in sizes:
         if n < 16:
             raise UsageError(f"--tokens {n}: too short to measure (16 tokens at least)")
-        if limit and n + pf.ANSWER_ROOM > limit:
-            raise UsageError(f"--tokens {n}: with {pf.ANSWER_ROOM} tokens for a question and answer it exceeds "
-                             f"the model's limit of {limit} positions")
+        if (exc := pf.too_long(f"--tokens {n}", n, lm.max_positions)) is not None:
+            raise UsageError(str(exc))
     if questions < 1:
         raise UsageError("--questions must be at least 1")
     for bits in kv_bits:
-        if bits not in (8, 4):
-            raise UsageError(f"--kv-bits must be 8 or 4, got {bits}")
+        mf.check_kv_bits(bits)
     if answer_tokens < 1 or agreement_tokens < 1 or decode_tokens < 2:
         raise UsageError("--answer-tokens and --agreement-tokens must be at least 1, --decode-tokens at least 2")
     pool = list(question_list or QUESTIONS)

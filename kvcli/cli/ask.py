@@ -10,6 +10,7 @@ import typer
 
 from . import served
 from ..errors import UsageError
+from ..generation import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS
 from .output import Output
 from .rendering import AskRenderer
 from .app import command
@@ -23,7 +24,7 @@ def ask(
     questions: Annotated[Optional[list[str]], typer.Argument(metavar="QUESTION", help="Questions (or -f FILE, or stdin).", show_default=False)] = None,
     cache: Annotated[list[str], typer.Option("--cache", "-c", metavar="CACHE", help="Cache to answer from: a folder or a URL (required, repeatable).", show_default=False)] = [],  # noqa: B006
     questions_file: Annotated[Optional[str], typer.Option("--questions-file", "-f", metavar="FILE", help="One question per line ('-' for stdin); blank and # lines skipped.")] = None,
-    max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most answer tokens.")] = 256,
+    max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most answer tokens.")] = DEFAULT_MAX_NEW_TOKENS,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     repetition_penalty: RepetitionPenaltyOpt = 1.0,
@@ -39,7 +40,7 @@ def ask(
     check: Annotated[bool, typer.Option("--check", help="Also run each prompt and answer once without the cache and compare logits "
                                         "(costs a full recompute of the document per question); exit 4 if an answer differs.")] = False,
     follow_up: FollowUpOpt = None,
-    batch_size: Annotated[int, typer.Option(min=1, metavar="N", help="Questions decoded together on one document (1: one by one; more answer several questions in less time than one by one).")] = 8,
+    batch_size: Annotated[int, typer.Option(min=1, metavar="N", help="Questions decoded together on one document (1: one by one; more answer several questions in less time than one by one).")] = DEFAULT_BATCH,
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,

@@ -36,6 +36,7 @@ def bench(
     batched), peak memory and sizes."""
     from .. import bench as bn, documents
     from ..engine.model import models
+    from ..format import manifest as mf
 
     out = Output(quiet=quiet)
     lengths = _lengths(tokens)
@@ -43,8 +44,8 @@ def bench(
     pool = []
     for f in questions_file:
         pool += gather_questions([], str(f))
-    if any(b not in (8, 4) for b in kv_bits):
-        raise UsageError(f"--kv-bits must be 8 or 4, got {kv_bits}")
+    for bits in kv_bits:  # before the model loads
+        mf.check_kv_bits(bits)
     with out.status("loading model"):
         lm = models.load(model, revision=revision, device=device, dtype=dtype, progress=out.note, weights=weights)
     result = bn.run(lm, document, tokens=lengths, questions=questions, progress=out.note, answer_tokens=answer_tokens,

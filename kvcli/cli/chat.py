@@ -15,6 +15,7 @@ import typer
 
 from . import served
 from ..errors import PromptTooLongError, UsageError
+from ..generation import DEFAULT_MAX_NEW_TOKENS
 from .output import Output, is_terminal
 from .rendering import AskRenderer, positions_ran_out
 from .app import command
@@ -26,7 +27,7 @@ from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, 
 @command
 def chat(
     cache: Annotated[str, typer.Option("--cache", "-c", metavar="CACHE", help="Cache of the document to talk about: a folder or a URL.")],
-    max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens per answer.")] = 256,
+    max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens per answer.")] = DEFAULT_MAX_NEW_TOKENS,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     repetition_penalty: RepetitionPenaltyOpt = 1.0,
@@ -99,7 +100,7 @@ def chat(
         except PromptTooLongError as exc:
             if not (history or earlier):
                 raise
-            return _full(out, str(exc).removeprefix("question too long: "))
+            return _full(out, exc.reason)
         if code or len(render.answers) == before:
             raise typer.Exit(code or 1)
         a = render.answers[-1]

@@ -43,14 +43,13 @@ def prefill(
 ) -> int:
     """Run documents through the model once and write their key/value caches."""
     from .. import documents
-    from ..format import writing
+    from ..format import manifest as mf, writing
     from ..remote import is_url
 
     out = Output(quiet=quiet)
     docs = docs or []
     documents.check_encoding(encoding)
-    if kv_bits is not None and kv_bits not in (8, 4):
-        raise UsageError(f"--kv-bits must be 8 or 4, got {kv_bits}")
+    mf.check_kv_bits(kv_bits)
     if shard is not None and from_list is None:
         raise UsageError("--shard needs --from-list")
     if from_list is not None or is_url(output) or any(is_url(d) for d in docs):

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import ServerError, UsageError
+from ..generation import DEFAULT_BATCH, DEFAULT_HTTP_MAX_TOKENS
 from .output import Output, human_bytes
 from .app import command
 from .common import human_age
@@ -24,10 +25,10 @@ def serve(
     http_at: Annotated[Optional[str], typer.Option("--http", metavar="HOST:PORT", help="Also serve the caches under --docs as OpenAI-compatible models at HOST:PORT (needs kvcli[serve]).", show_default=False)] = None,
     api_key: Annotated[Optional[str], typer.Option("--api-key", metavar="KEY", envvar="KVCLI_API_KEY", help="Bearer token HTTP clients must send; required unless HOST is loopback ($KVCLI_API_KEY).", show_default=False)] = None,
     docs: Annotated[list[Path], typer.Option("--docs", metavar="DIR", show_default=False, help="Folder whose caches --http offers as models (repeatable; default: the current folder).")] = [],  # noqa: B006
-    batch_size: Annotated[int, typer.Option(min=1, metavar="N", help="Questions on one document decoded together, from any clients (1: one at a time).")] = 8,
+    batch_size: Annotated[int, typer.Option(min=1, metavar="N", help="Questions on one document decoded together, from any clients (1: one at a time).")] = DEFAULT_BATCH,
     allow_host: Annotated[list[str], typer.Option("--allow-host", metavar="NAME", show_default=False, help="Also answer HTTP requests whose Host header is NAME (repeatable; default: loopback names and the bound address only).")] = [],  # noqa: B006
     allow_origin: Annotated[list[str], typer.Option("--allow-origin", metavar="ORIGIN", show_default=False, help="Let web pages from ORIGIN (e.g. https://app.example.org) call the HTTP endpoint (repeatable; default: none).")] = [],  # noqa: B006
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, metavar="N", help="Most answer tokens one HTTP request may ask for (max_tokens); a request asking for more is refused with HTTP 400.")] = 4096,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, metavar="N", help="Most answer tokens one HTTP request may ask for (max_tokens); a request asking for more is refused with HTTP 400.")] = DEFAULT_HTTP_MAX_TOKENS,
     quiet: QuietOpt = False,
 ) -> int:
     """Keep models and restored caches warm on a unix socket; ask and prefill use it when it runs."""

@@ -18,6 +18,7 @@ from .cache import restore
 from .model import fit
 from .prompt import conversation, framing as fr
 from .model.models import LoadedModel
+from .decoding.batch import eos_ids
 from .decoding.request import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS, Answer, GenerationOptions, prompt_room  # noqa: F401  (the API's names)
 
 TokenFn = Callable[[str], None]  # receives answer text as it becomes final
@@ -47,7 +48,7 @@ class Session:
         self.load_s = time.perf_counter() - t0
         self._unreported_load = self.load_s
         self._clock_lock = threading.Lock()
-        self.eos = _eos_ids(lm.model)
+        self.eos = eos_ids(lm.model)
         self.stats = {"asked": 0, "steps": 0, "peak_rows": 0}  # kept by the engine: questions, forward passes, widest step
 
     def nbytes(self) -> int:
@@ -114,11 +115,6 @@ class Session:
         return engine_for(self.lm).ask(self, questions, options or GenerationOptions(), history=history,
                                        limit=batch_size, check=check, on_text=on_text, on_answer=on_answer,
                                        cancelled=cancelled, prompts=prompts)
-
-
-def _eos_ids(model) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
 
 
 def _version_warnings(manifest, path: Path) -> list[str]:

@@ -15,8 +15,9 @@ from typing import Any
 
 from .prompt import framing as fr
 from .model import light, models
+from .model.fingerprint import shape, text_config
 from . import throughput
-from .prefilling import ANSWER_ROOM, too_long
+from .prefilling import too_long
 from ..documents import Document
 
 # stored / raw for byte planes + zstd level 1, measured on the default model's caches (README, "Performance")
@@ -66,11 +67,8 @@ class Counter:
         self.source = source
         self.framing = fr.choose(self.tokenizer, framing, system)
         self.dtype = _dtype_name(dtype, self.config)
-        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-        heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
-        self.kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        self.max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        s = shape(self.config)  # as the loaded model's fingerprint will say
+        self.kv_heads, self.head_dim, self.max_positions = s["num_kv_heads"], s["head_dim"], s["max_positions"]
         self.params = _parameter_count(self.config, source)
         devices = ["cuda", "mps", "cpu"] if _maybe_accelerator() else ["cpu"]
         self.records = next((r for d in devices if (r := throughput.records(source, self.dtype, d))), [])
@@ -96,7 +94,7 @@ class Counter:
         est = throughput.estimate(n, self.records, self.params)
         return Count(document=document.name, tokens=n, dtype=self.dtype, bytes_raw=raw,
                      bytes_on_disk_estimate=round(raw * DISK_RATIO[self.dtype]), max_positions=self.max_positions,
-                     room=room, fits=room is None or room >= ANSWER_ROOM,
+                     room=room, fits=too_long(document.name, n, self.max_positions) is None,
                      prefill_s_estimate=None if est.withheld else est.seconds, prefill_s_basis=est.basis,
                      prefill_s_error=est.error, prefill_s_reason=est.withheld)
 
@@ -186,7 +184,7 @@ def _safetensors_count(folder) -> int | None:
 
 
 def _config_count(config: Any) -> int | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     try:
         h, layers_n, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
         heads = text.num_attention_heads

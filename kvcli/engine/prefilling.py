@@ -133,8 +133,7 @@ def prefill(
     with this model's tokenizer before it loaded (counting.Counter.refuse_too_long), so it is tokenized once."""
     if chunk_size < 1:
         raise UsageError(f"--chunk-size must be positive, got {chunk_size}")
-    if kv_bits is not None and kv_bits not in mf.KV_BITS:
-        raise UsageError(f"--kv-bits must be 8 or 4 (or absent for lossless), got {kv_bits}")
+    mf.check_kv_bits(kv_bits)
     if exact_tokens is None:
         exact_tokens = QUANT_EXACT.get(kv_bits, 0)
     if recent_tokens is None:

@@ -19,7 +19,7 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "path": str(path),
         "format_version": m.format_version,
         "shard_hash": m.shard_hash,  # "blake3" (format 3) or "sha256" (formats 1, 2)
-        "model": source.get("name") or m.model.get("name"),
+        "model": m.model_name,
         "model_source": source,
         "model_type": m.model.get("model_type"),
         "num_tokens": m.num_tokens,

@@ -12,14 +12,13 @@ import os
 import re
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import manifest as mf
 from ..errors import KvcliError, UsageError
 from .store import TMP_MARK
-from .writing import is_leftover, remove_if_stale
+from .writing import hidden_sibling, is_leftover, remove_if_stale
 
 _SHARD = re.compile(r"layer_\d{3}\.safetensors\.zst")
 
@@ -75,7 +74,7 @@ def remove_cache(path: str | os.PathLike) -> Removal:
     if why:
         raise KvcliError(f"{path}: {why}; refusing to remove it")
     size = size_of(path)
-    hidden = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-rm-{uuid.uuid4().hex[:8]}")
+    hidden = hidden_sibling(path, "rm")
     try:
         os.rename(path, hidden)  # one step: readers see the whole cache or none
     except OSError as exc:

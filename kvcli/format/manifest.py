@@ -12,7 +12,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import CacheVersionError
+from ..errors import CacheVersionError, UsageError
 from . import payload
 from .dtypes import ITEM_SIZES
 from .fields import MAX_DIM, bad, get_field, int_field, numel, shape_field, str_field
@@ -26,6 +26,9 @@ SUPPORTED_VERSIONS = (LOSSLESS_SHA256_VERSION, QUANT_SHA256_VERSION, FORMAT_VERS
 # at 3.1 GB/s a core where sha256 runs at 1.5 (with SHA extensions), and restore hashes every byte it reads.
 SHARD_HASHES = {LOSSLESS_SHA256_VERSION: "sha256", QUANT_SHA256_VERSION: "sha256", FORMAT_VERSION: "blake3"}
 KV_BITS = (8, 4)
+FRAMING_VERSION = 1  # recorded when the cut is at the document's end (no anchor, nothing pending)
+FRAMING_VERSION_CUT = 2  # recorded when the cache holds anchor / pending text (engine/prompt/framing.py)
+FRAMING_VERSIONS = (FRAMING_VERSION, FRAMING_VERSION_CUT)
 MAX_GROUP = 1 << 16
 _QUANT_KEYS = {"bits", "group_size", "exact_tokens", "scale_dtype", "keys", "values"}
 _QUANT_OPTIONAL = {"recent_tokens"}  # the last tokens kept exact; caches written before it have none (0)
@@ -49,6 +52,13 @@ PROVENANCE_KEYS = ("torch_version", "device_type", "attn_implementation")
 _LAYER_KEYS = {"index", "kind", "cached_length", "seq_length", "sliding_window", "file", "key_shape", "value_shape",
                "raw_bytes", "decoded_bytes", "stored_bytes"}  # plus the digest, keyed by the version's shard hash
 _SOURCE_FIELDS = {"default": ("path", "sha256"), "gguf": ("path", "sha256"), "folder": ("path",), "hub": ("id",), "object": ()}
+
+
+def check_kv_bits(bits: object, name: str = "--kv-bits") -> int | None:
+    """The storage a writer was asked for: one of KV_BITS, or None (lossless); UsageError naming `name` otherwise."""
+    if bits is not None and (type(bits) is not int or bits not in KV_BITS):
+        raise UsageError(f"{name} must be {' or '.join(map(str, KV_BITS))} (or absent for lossless), got {bits!r}")
+    return bits
 
 
 def shard_name(index: int) -> str:
@@ -105,6 +115,11 @@ class Manifest:
     def weights(self) -> str:
         """The arithmetic that computed the keys/values: "float", "q8" or "q4" (engine/model/stored.py)."""
         return self.model.get("weights", "float")
+
+    @property
+    def model_name(self) -> str | None:
+        """The model's name as messages and `info` print it: its source's, else the config's."""
+        return self.model.get("source", {}).get("name") or self.model.get("name")
 
     @property
     def shard_hash(self) -> str:
@@ -256,7 +271,7 @@ def _framing_cut(framing: dict, num_tokens: int, where: str) -> None:
     Its three fields come together, with version 2 only, and say something (a cut that cuts nothing is not)."""
     keys = ("anchor", "anchor_tokens", "pending")
     present = [k for k in keys if k in framing]
-    if framing.get("version") != 2:
+    if framing.get("version") != FRAMING_VERSION_CUT:
         if present:
             raise bad(where, f"manifest field 'framing.{present[0]}' belongs to framing version 2")
         return

@@ -66,6 +66,11 @@ def _exchange(a: Path, b: Path) -> bool:
     return _renameat2(a, b, RENAME_EXCHANGE)
 
 
+def hidden_sibling(path: Path, tag: str = "") -> Path:
+    """A kvcli writer's temporary name beside `path`, '.NAME.kvtmp-PID-[TAG-]HEX': remove_if_stale reads its pid."""
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{tag + '-' if tag else ''}{uuid.uuid4().hex[:8]}")
+
+
 def clean_stale(target: Path) -> None:
     """Remove temporary siblings of `target` left by killed runs (their process is gone, their lock free)."""
     parent = target.parent
@@ -272,7 +277,7 @@ def atomic_cache_dir(target: str | os.PathLike, *, force: bool) -> Iterator[Path
     with writer_lock(target):  # a second writer of this cache is refused here, before any work
         parent = target.parent
         clean_stale(target)
-        tmp = parent / f".{target.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = hidden_sibling(target)
         try:
             tmp.mkdir()
         except OSError as exc:
@@ -300,7 +305,7 @@ def _install(tmp: Path, target: Path, *, force: bool) -> None:
         if _exchange(tmp, target):  # tmp now holds the old cache; the finally clause removes it
             _installed(target)
             return
-        old = target.with_name(f".{target.name}{TMP_MARK}{os.getpid()}-old-{uuid.uuid4().hex[:8]}")
+        old = hidden_sibling(target, "old")
         os.rename(target, old)  # fallback: a brief moment without a cache, never a mix
         os.rename(tmp, target)
         _installed(target)

@@ -24,7 +24,6 @@ from ..errors import KvcliError
 from ..format import manifest as mf, store
 from .. import remote
 
-FRAMING_VERSIONS = (1, 2)  # kvcli/engine/framing.py SUPPORTED_VERSIONS (prompt ids are matched, so both read alike)
 _STRUCTURE = (
     ("model_type", "model type"),
     ("num_layers", "layer count"),
@@ -77,15 +76,14 @@ def refusal(m: mf.Manifest, engine: EngineModel) -> str | None:
         template = engine.hashes.get("chat_template_sha256")
         if template is None or template != m.framing.get("template_sha256"):
             diffs.append("chat template")
-    if m.framing.get("version") not in FRAMING_VERSIONS:
+    if m.framing.get("version") not in mf.FRAMING_VERSIONS:  # prompt ids are matched, so every version reads alike
         diffs.append("prompt framing version")
     if m.dtype != engine.dtype:
         diffs.append(f"dtype (cache {m.dtype}, engine {engine.dtype})")
     if m.weights != "float":  # kvcli's --weights q8 or q4: keys/values of arithmetic no engine runs
         diffs.append(f"weights (the cache was computed on kvcli's {m.weights} weights; rebuild it with --weights float)")
     if diffs:
-        name = want.get("source", {}).get("name") or want.get("name")
-        return f"built for another model ({name}): differs in {', '.join(diffs)}"
+        return f"built for another model ({m.model_name}): differs in {', '.join(diffs)}"
     if engine.max_positions and m.num_tokens >= engine.max_positions:
         return f"{m.num_tokens} cached tokens do not fit the engine's {engine.max_positions} positions"
     if engine.vocab_size is not None and max(m.token_ids) >= engine.vocab_size:

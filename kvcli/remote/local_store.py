@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -154,7 +153,7 @@ def prune(limit: int | None = None, *, keep: Path | None = None) -> int:
             break
         if keep is not None and path == keep:
             continue
-        gone = path.with_name(f".{path.name}{store.TMP_MARK}{os.getpid()}-evict-{uuid.uuid4().hex[:8]}")
+        gone = writing.hidden_sibling(path, "evict")
         try:
             os.rename(path, gone)  # one step: readers see the copy or nothing
         except OSError:

@@ -148,14 +148,12 @@ def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
 def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     """Prefill every document into its cache with the warm model, as cli.prefill does in-process."""
     from .. import documents
-    from ..format import writing
+    from ..format import manifest as mf, writing
 
     pairs = req.get("docs")
     if not isinstance(pairs, list) or not pairs or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in pairs):
         raise protocol.ProtocolError("docs must be a non-empty list of [document, cache] paths")
-    kv_bits = req.get("kv_bits")
-    if kv_bits is not None and (type(kv_bits) is not int or kv_bits not in (8, 4)):
-        raise protocol.ProtocolError("kv_bits must be 8, 4 or null")
+    kv_bits = mf.check_kv_bits(req.get("kv_bits"), "kv_bits")
     from ..engine.scheduling.scheduler import Left
     from ..events import prefill_events
 

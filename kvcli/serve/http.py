@@ -30,17 +30,19 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import CacheError, ConversationError, KvcliError, extra_hint
+from ..errors import CacheError, ConversationError, KvcliError, PromptTooLongError, extra_hint
+from ..generation import DEFAULT_HTTP_MAX_TOKENS
 from . import openai_api as oa
 from .docs import DocsProvider, Opened, Provider
+from .protocol import MAX_LINE
 from .guard import LOOPBACK_NAMES, allowed_hosts, check_bind, check_origins, is_loopback, parse_address, scrub  # noqa: F401
 from .warm import Cancelled
 
 log = logging.getLogger("kvcli.serve.http")
 DEFAULT_MAX_QUEUE = 32  # requests waiting per model before 503
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
-DEFAULT_MAX_BODY = 4 << 20  # bytes of a request body (the socket server's longest request line too)
-DEFAULT_MAX_TOKENS = 4096  # most answer tokens one request may ask for (--max-tokens)
+DEFAULT_MAX_BODY = MAX_LINE  # bytes of a request body: the socket server's longest request line
+DEFAULT_MAX_TOKENS = DEFAULT_HTTP_MAX_TOKENS  # most answer tokens one request may ask for (--max-tokens)
 
 
 class _Gate:
@@ -189,17 +191,17 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
                 prompt = await run_in_threadpool(session.prompt_ids, req.question, req.history)
             except KvcliError as exc:  # a chat template that cannot hold a conversation
                 raise oa.ApiError(400, hidden(str(exc)), param="messages") from None
-            limit = session.lm.max_positions
-            if limit and len(prompt) >= limit:
-                raise oa.ApiError(400, f"messages: the prompt needs {len(prompt)} of the model's {limit} positions",
-                                  param="messages", code="context_length_exceeded")
+            opts = an.GenerationOptions(max_new_tokens=req.max_tokens or min(an.DEFAULT_MAX_NEW_TOKENS, max_tokens), temperature=req.temperature,
+                                        top_p=req.top_p, seed=req.seed, stop=req.stop)
+            try:
+                an.prompt_room(session.lm, prompt, opts)
+            except PromptTooLongError as exc:
+                raise oa.ApiError(400, f"messages: {exc.reason}", param="messages", code="context_length_exceeded") from None
             gate = gates.setdefault(id(session.lm), _Gate(max_queue, opened.concurrency))
             gate.reserve()
         except BaseException:
             release()
             raise
-        opts = an.GenerationOptions(max_new_tokens=req.max_tokens or min(an.DEFAULT_MAX_NEW_TOKENS, max_tokens), temperature=req.temperature,
-                                    top_p=req.top_p, seed=req.seed, stop=req.stop)
         cid = oa.completion_id()
         gone = threading.Event()
 

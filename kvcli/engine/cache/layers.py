@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ModelError
+from ..model.fingerprint import text_config
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ def plan(config: Any) -> list[tuple[str, int | None]]:
     model_type = getattr(config, "model_type", "unknown")
     if getattr(config, "is_encoder_decoder", False):
         raise ModelError(f"model type '{model_type}' is an encoder-decoder model; kvcli caches decoder-only models")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     if getattr(text, "kv_lora_rank", None):
         raise ModelError(f"model type '{model_type}' uses compressed latent attention (MLA); kvcli cannot cache it exactly")
     _refuse_length_dependent_rope(text, model_type)

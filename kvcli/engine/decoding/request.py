@@ -7,10 +7,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...errors import PromptTooLongError
+from ...generation import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS  # noqa: F401  (the engine's names for them)
 from ..check import Check
-
-DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_BATCH = 8  # rows one document decodes together (README, "Many questions at once")
 
 
 @dataclass
@@ -53,9 +51,14 @@ class GenerationOptions:
     no_repeat_ngram_size: int = 0  # 0: off; n>0 never repeats an n-gram of the prompt or answer
 
 
+def positions_left(lm: Any, prompt: Sequence[int]) -> int | None:
+    """The model's positions after `prompt` (None: the model sets no limit; 0 or less: no room for an answer)."""
+    return lm.max_positions - len(prompt) if lm.max_positions else None
+
+
 def prompt_room(lm: Any, prompt: Sequence[int], opts: GenerationOptions) -> int:
     """How many answer tokens this prompt may have: --max-new-tokens within the model's positions."""
-    limit = lm.max_positions
-    if limit and len(prompt) >= limit:
-        raise PromptTooLongError(f"question too long: the prompt needs {len(prompt)} of the model's {limit} positions")
-    return min(opts.max_new_tokens, limit - len(prompt)) if limit else opts.max_new_tokens
+    left = positions_left(lm, prompt)
+    if left is not None and left <= 0:
+        raise PromptTooLongError(f"{PromptTooLongError.LEAD}the prompt needs {len(prompt)} of the model's {lm.max_positions} positions")
+    return opts.max_new_tokens if left is None else min(opts.max_new_tokens, left)

@@ -18,12 +18,6 @@ def fingerprint(model: Any, tokenizer: Any, files: Sequence[Path] = (), memo: Pa
     from ...format.codec import dtype_name
 
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
-        kv_heads = 1  # falcon-7b: one key/value head whatever num_kv_heads says (gpt_bigcode's config says 1 itself)
     template = getattr(tokenizer, "chat_template", None)
     return {
         "name": getattr(config, "_name_or_path", "") or config.model_type,
@@ -34,11 +28,25 @@ def fingerprint(model: Any, tokenizer: Any, files: Sequence[Path] = (), memo: Pa
         "tokenizer_sha256": tokenizer_sha256(tokenizer),
         "chat_template_sha256": template_sha256(template),
         "dtype": dtype_name(model.dtype),
-        "num_layers": getattr(text, "num_hidden_layers", None),
-        "num_kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "max_positions": getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None),
+        **shape(config),
     }
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config: a multimodal model's text part, else the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def shape(config: Any) -> dict[str, Any]:
+    """What a config says of the cache's shape and the model's positions (from config.json alone: counting)."""
+    text = text_config(config)
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
+        kv_heads = 1  # falcon-7b: one key/value head whatever num_kv_heads says (gpt_bigcode's config says 1 itself)
+    return {"num_layers": getattr(text, "num_hidden_layers", None), "num_kv_heads": kv_heads,
+            "head_dim": getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None),
+            "max_positions": getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)}
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

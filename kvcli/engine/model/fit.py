@@ -40,8 +40,7 @@ def check_fits(manifest: mf.Manifest, lm: LoadedModel, where: str, *, convert_dt
     if limit and manifest.num_tokens >= limit:
         diffs.append(f"length ({manifest.num_tokens} cached tokens, the model takes {limit} positions)")
     if diffs:
-        name = want.get("source", {}).get("name", want.get("name"))
-        raise CacheMismatchError(f"{where}: built for another model ({name}): differs in {', '.join(diffs)}")
+        raise CacheMismatchError(f"{where}: built for another model ({manifest.model_name}): differs in {', '.join(diffs)}")
     _check_token_ids(manifest, lm, where)
     plan = layers.plan(lm.model.config)
     for layer, (kind, window) in zip(manifest.layers, plan):
@@ -57,8 +56,7 @@ def check_request(manifest: mf.Manifest, where: str, *, dtype: str | None, conve
     nothing): a --dtype other than the cache's without --convert-dtype. check_fits says the same later."""
     want = manifest.model
     if dtype and dtype != "auto" and dtype != want.get("dtype") and not convert_dtype:
-        name = want.get("source", {}).get("name", want.get("name"))
-        raise CacheMismatchError(f"{where}: built for another model ({name}): differs in dtype (cache {want.get('dtype')}, "
+        raise CacheMismatchError(f"{where}: built for another model ({manifest.model_name}): differs in dtype (cache {want.get('dtype')}, "
                                  f"model {dtype}; --convert-dtype allows it)")
 
 

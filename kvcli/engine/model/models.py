@@ -13,13 +13,13 @@ import json
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ...errors import ModelError
+from ...format.writing import hidden_sibling
 from ...home import kvcli_home, remember  # noqa: F401  (models.kvcli_home: where converted models live)
 from . import hub
 from .fingerprint import fingerprint, sha256_json  # noqa: F401  (fingerprint: models.fingerprint stays the API)
@@ -215,7 +215,7 @@ def _converted_folder(gguf: Path, sha: str, progress: Progress | None) -> Path:
     if progress:
         progress(f"converting {gguf.name} once into {folder} (later runs load it directly)")
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.kvtmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = hidden_sibling(folder)
     try:
         with _quiet_transformers():
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -294,7 +294,7 @@ def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = Fa
 def _save_light(folder: Path, config: Any, tok: Any) -> None:
     """Keep a GGUF model's config and tokenizer as a small folder (atomic): reading them from the GGUF file
     costs most of a `kvcli count`; later counts read the folder. Failing to save only costs the next count."""
-    tmp = folder.with_name(f".{folder.name}.kvtmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = hidden_sibling(folder)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         config.save_pretrained(tmp)

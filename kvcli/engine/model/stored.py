@@ -227,9 +227,10 @@ def prepared_blocks(model: Any, gguf_path: Path, folder: Path) -> dict[str, torc
     """stored_blocks, kept in `folder` (KVCLI_HOME, keyed by the file's sha256; written atomically) for later loads.
     The blocks are stored, not the kernel's packing, which may differ between CPUs."""
     import os
-    import uuid
 
     from safetensors.torch import load_file, save_file
+
+    from ...format.writing import hidden_sibling
 
     path = folder / "q4_1.safetensors"
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -242,7 +243,7 @@ def prepared_blocks(model: Any, gguf_path: Path, folder: Path) -> dict[str, torc
         pass
     blocks = stored_blocks(model, gguf_path)
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{path.name}.kvtmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = hidden_sibling(path)
     try:
         save_file(blocks, str(tmp))
         os.replace(tmp, path)

@@ -20,10 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ModelError
-
-FRAMING_VERSION = 1  # recorded when the cut is at the document's end (no anchor, nothing pending)
-FRAMING_VERSION_CUT = 2  # recorded when the cache holds anchor / pending text: readers of version 1 refuse it
-SUPPORTED_VERSIONS = (FRAMING_VERSION, FRAMING_VERSION_CUT)
+from ...format.manifest import FRAMING_VERSION, FRAMING_VERSION_CUT, FRAMING_VERSIONS as SUPPORTED_VERSIONS  # noqa: F401  (readers of version 1 refuse a cut)
 _PROBES = ("Q", "What is it?", "(a) 42, or 'b'?", "\u00dcn\u00efc\u00f6d\u00e9 \u6771\u4eac", "x\ny", "...")
 _MAX_PENDING = 6  # tokens of the document's end that may be left out of the cache
 _MAX_ANCHOR = 24  # cached tokens that may be tokenized again with each question
