@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 import kvcli
@@ -84,7 +85,18 @@ def _split(monkeypatch, block: int = 1000):
     monkeypatch.setattr(linear, "_same_bits", {})  # no shape checked yet
 
 
-def test_one_row_split_across_two_threads_gives_the_linear_bits(monkeypatch):
+@pytest.fixture
+def one_thread():
+    """One torch thread, as split_rows_helps requires of the kernel (a one-row product on one core): then the
+    ROWS-aligned blocks give linear's bits. Where the kernel threads a one-row product they may not, and the
+    per-shape check leaves the shape unsplit (test_a_shape_whose_split_gives_other_bits_stays_unsplit)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_one_row_split_across_two_threads_gives_the_linear_bits(monkeypatch, one_thread):
     _split(monkeypatch)
     g = torch.Generator().manual_seed(1)
     for out_features, in_features, bias, lead in [(577, 96, False, (1,)), (1000, 64, True, (1, 1)), (49, 300, True, ()),
@@ -162,7 +174,7 @@ class _SlowInHelper:
         return torch.mm(*args, **kwargs)
 
 
-def test_a_helper_that_never_runs_starts_late_or_stalls_leaves_its_blocks_to_the_caller(monkeypatch):
+def test_a_helper_that_never_runs_starts_late_or_stalls_leaves_its_blocks_to_the_caller(monkeypatch, one_thread):
     _split(monkeypatch)
     w, x = torch.randn(700, 50), torch.randn(1, 50)
     want = torch.nn.functional.linear(x, w)
@@ -187,3 +199,19 @@ def test_a_helper_that_never_runs_starts_late_or_stalls_leaves_its_blocks_to_the
         release.set()
         stalled.threads[0].join()
     assert slow.helper_calls == 1 and torch.equal(got, want)  # its late block was computed by the caller, not copied over
+
+
+def test_no_product_is_split_where_the_kernel_threads_a_one_row_product(monkeypatch):
+    """A new thread after the helper's first product is an OpenMP pool of its own: one too many beside the
+    engine's, so split_rows is not used, and found once per process."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    for threads_after, helps in ((1, True), (2, False)):
+        counts = iter([10, 10 + threads_after - 1])  # before the probe, after it
+        monkeypatch.setattr(linear, "_one_core", None)
+        monkeypatch.setattr(linear, "_threads", lambda: next(counts))
+        released = []
+        monkeypatch.setattr(linear.openmp, "release", lambda: released.append(True))
+        assert linear.split_rows_helps(model) is helps
+        assert linear.split_rows_helps(model) is helps  # found once: _threads is not read again
+        assert released == ([] if helps else [True])

@@ -8,7 +8,8 @@ its output layer 47 against 19 ms; docs/performance.md, "Batched steps"). Only t
 gives every row the bits a recompute gives it, while batched rows are held to float32's rounding anyway
 (engine/scheduling/probe.py).
 
-Split rows: torch's `linear` of one float32 row (MKL's sgemv) runs on one core whatever the thread count.
+Split rows: torch's `linear` of one float32 row (MKL's sgemv) runs on one core whatever the thread count on
+some CPUs (AMD EPYC here); on others (Intel Xeon here) MKL threads it itself, and split_rows_helps says no.
 Each output element is one dot product, computed the same way in blocks of rows that start at a multiple
 of a few rows (MKL's kernel takes 4 at a time here; blocks of 1 or 11 rows give other bits), so within
 split_rows() a one-row product runs as `mm` on blocks of ROWS-aligned rows of the weight, taken in turn by
@@ -21,6 +22,7 @@ scheduled leaves its share to the caller, so a busy machine costs no wait for it
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 import time
@@ -29,6 +31,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from ..scheduling import openmp
 
 _LINEAR = torch.nn.functional.linear
 
@@ -190,7 +194,48 @@ def split_rows(enabled: bool = True) -> SplitRows | nullcontext:
     return SplitRows() if enabled else nullcontext()
 
 
+_one_core: bool | None = None  # a one-row product runs on one core here (found once per process)
+
+
+def _threads() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no /proc: unknown
+        return None
+
+
+def _one_row_stays_on_one_core() -> bool:
+    """Whether a one-row product in the helper thread runs there alone. Where torch's kernel threads it (MKL does
+    on some CPUs), the helper's own OpenMP pool beside the engine's is one pool too many: every worker then sleeps
+    between parallel regions and a step took 2.3x as long (docs/performance.md). The helper's first product is
+    watched: new threads in the process mean a pool, which is given back, and no product is split."""
+    global _one_core
+    with _helper_lock:
+        known = _one_core
+    if known is not None:
+        return known
+    helper = _the_helper()
+    before, seen = _threads(), threading.Event()
+    result: list[bool] = []
+
+    def probe() -> None:
+        with torch.inference_mode():
+            w = torch.ones(2 * ROWS, 4096)
+            torch.mm(torch.ones(1, 4096), w[:ROWS].t())  # [1, 4096] x [4096, 64], as a claimed block
+        after = _threads()
+        result.append(before is not None and after is not None and after <= before)
+        if not result[0]:
+            openmp.release()
+        seen.set()
+
+    helper.jobs.put(probe)
+    seen.wait(60)
+    with _helper_lock:
+        _one_core = bool(result and result[0])
+        return _one_core
+
+
 def split_rows_helps(model: Any) -> bool:
-    """Whether one-row steps of `model` gain from split_rows: float32 linear layers on the CPU and two torch
-    threads or more to run on."""
-    return torch.get_num_threads() >= 2 and weight_first_helps(model)
+    """Whether one-row steps of `model` gain from split_rows: float32 linear layers on the CPU, two torch
+    threads or more to run on, and one-row products that torch's kernel leaves on one core."""
+    return torch.get_num_threads() >= 2 and weight_first_helps(model) and _one_row_stays_on_one_core()
