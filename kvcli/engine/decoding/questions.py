@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .batch import Row
+from .protocol import Row
 from .detok import TextStream
 
 
