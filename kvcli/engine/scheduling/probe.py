@@ -30,7 +30,7 @@ Q4_RULES = 2  # in a q4 model's remembered-verdict key: 2 since its rows are hel
 
 @dataclass(frozen=True)
 class Batching:
-    """The verdict: ok (rows may share one Decoder), why, the largest logit difference measured, the probe's cost."""
+    """The verdict: ok (rows may share one BatchDecoder), why, the largest logit difference measured, the probe's cost."""
 
     ok: bool
     reason: str

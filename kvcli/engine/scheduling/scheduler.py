@@ -59,7 +59,7 @@ class Engine:
         self._turns: deque[_Turn] = deque()
         self._decoders: dict[int, tuple[Any, Decoder]] = {}  # id(session) -> (session, its decoder)
         self._owners: dict[int, tuple[Any, queue.SimpleQueue]] = {}  # id(row) -> (session, its asker's events)
-        self._askers: dict[int, int] = {}  # id(session) -> askers with questions on it (its Decoder stays while any)
+        self._askers: dict[int, int] = {}  # id(session) -> askers with questions on it (its decoder stays while any)
         self._thread: threading.Thread | None = None
         self._closed = False
         self._inside = threading.local()  # set in the engine thread and in a granted turn: turns nest
