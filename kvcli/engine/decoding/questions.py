@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .protocol import Row
 from .detok import TextStream
+from .protocol import Row
 
 
 def greedy(_ids: list[int], logits: torch.Tensor) -> int:
