@@ -80,7 +80,7 @@ def test_a_question_joins_while_another_decodes(arch):
         steps["n"] += 1
         if steps["n"] == 3:
             assert go.wait(60)
-        steps[steps["n"]] = (decoder.batch is not None, len(decoder.active) + len(decoder.waiting))
+        steps[steps["n"]] = (decoder.batch is not None, len(decoder.rows))
         real_step(session, decoder)
 
     engine._step = step
