@@ -14,7 +14,7 @@ import time
 import pytest
 
 import kvcli
-from kvcli.engine.decoding import batch
+from kvcli.engine.decoding import batch, solo
 from kvcli.engine.scheduling.scheduler import Engine, Left, Stopped
 from kvcli.errors import GenerationError
 from tests.test_architectures import arch  # noqa: F401  (the module's tiny-model fixture)
@@ -80,7 +80,7 @@ def test_a_question_joins_while_another_decodes(arch):
         steps["n"] += 1
         if steps["n"] == 3:
             assert go.wait(60)
-        steps[steps["n"]] = (decoder.batch is not None, len(decoder.active) + len(decoder.waiting))
+        steps[steps["n"]] = (decoder.batch is not None, len(decoder.rows))
         real_step(session, decoder)
 
     engine._step = step
@@ -165,7 +165,7 @@ def test_a_failing_step_reaches_every_asker_and_the_engine_goes_on(arch, monkeyp
     a = arch("llama")
     session = kvcli.Session(a.lm, a.path)
     calls = {"n": 0}
-    real_step = batch.Decoder.step
+    real_step = batch.BatchDecoder.step
 
     def step(self):  # the third step fails, as a forward pass that runs out of memory would
         calls["n"] += 1
@@ -173,7 +173,7 @@ def test_a_failing_step_reaches_every_asker_and_the_engine_goes_on(arch, monkeyp
             raise MemoryError("no room for this step")
         return real_step(self)
 
-    monkeypatch.setattr(batch.Decoder, "step", step)
+    monkeypatch.setattr(batch.BatchDecoder, "step", step)
     engine = Engine(a.lm, width=4)
     with engine.turn():
         results, threads = _in_threads(engine, session, QUESTIONS[:3])
@@ -183,6 +183,31 @@ def test_a_failing_step_reaches_every_asker_and_the_engine_goes_on(arch, monkeyp
     assert len(results) == 3 and all(isinstance(r, (MemoryError, kvcli.Answer)) for r in results.values()), results
     assert any(isinstance(r, MemoryError) for r in results.values())  # every row still decoding got the step's error
     after = engine.ask(session, [QUESTIONS[1]], OPTS)[0]
+    assert after.answer_token_ids == session.ask(QUESTIONS[1], OPTS).answer_token_ids
+
+
+def test_a_failing_step_one_at_a_time_reaches_the_row_it_was_decoding(arch, monkeypatch):
+    a = arch("llama")
+    session = kvcli.Session(a.lm, a.path)
+    calls = {"n": 0}
+    real_step = solo.OneRowDecoder.step
+
+    def step(self):  # the third step fails: the first row's second answer token, mid-answer
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise MemoryError("no room for this step")
+        return real_step(self)
+
+    monkeypatch.setattr(solo.OneRowDecoder, "step", step)
+    engine = Engine(a.lm, width=4, batched=False)
+    with engine.turn():
+        results, threads = _in_threads(engine, session, QUESTIONS[:2])
+        _wait(lambda: engine.asked == 2)
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)  # the row that was decoding heard the error too
+    assert all(isinstance(r, MemoryError) for r in results.values()) and len(results) == 2, results
+    after = engine.ask(session, [QUESTIONS[1]], OPTS)[0]  # the document's cache was rewound
     assert after.answer_token_ids == session.ask(QUESTIONS[1], OPTS).answer_token_ids
 
 

@@ -6,7 +6,7 @@ positions, multipliers, logit scales, sliding windows, NoPE layers, experts), wi
 tokenizer. For each: the probe's verdict (engine/scheduling/probe.py) is what EXPECT says; every answer alone
 equals greedy generate() on the full prompt without a cache; several questions in one ask_many
 equal the same questions asked alone, whichever path the verdict chose; and where the verdict allows
-batching, a single row through batch.Decoder gives the same answer too (the path every question
+batching, a single row through batch.BatchDecoder gives the same answer too (the path every question
 may take). A model whose batched path is broken is caught by the probe and answers one at a time.
 """
 
@@ -20,6 +20,7 @@ from kvcli.documents import decode
 from kvcli.engine.model import attention
 from kvcli.engine.scheduling import probe
 from kvcli.engine.decoding import batch
+from kvcli.engine.decoding.protocol import Row
 from kvcli.engine.prefilling import prefill
 from kvcli.engine.decoding.questions import greedy
 from kvcli.errors import ModelError
@@ -126,7 +127,7 @@ def _sharpen_qk_norms(model) -> None:
 
 TWEAKS = {"stablelm-12b": _sharpen_qk_norms}
 
-# name -> "batched" (the probe lets rows share one Decoder), "alone" (the probe refuses: one row at a time),
+# name -> "batched" (the probe lets rows share one BatchDecoder), "alone" (the probe refuses: one row at a time),
 # or ("refused", words the load error must contain)
 ALONE = ("falcon", "falcon-40b", "falcon-rw", "gpt_neo", "bloom", "diffllama")
 EXPECT = {name: "alone" if name in ALONE else "batched" for name in FAMILIES}
@@ -168,11 +169,11 @@ def family(tokenizer, tmp_path_factory):
 
 
 def _single_row(session, question: str) -> list[int]:
-    """The answer of one question as a single row through batch.Decoder (greedy)."""
+    """The answer of one question as a single row through batch.BatchDecoder (greedy)."""
     lm = session.lm
     prompt = session.prompt_ids(question)
-    row = batch.Row(index=0, prompt=prompt, appended=prompt[len(session.token_ids):], max_new=MAX_NEW, choose=greedy,
-                    on_token=lambda _t: False)
+    row = Row(index=0, prompt=prompt, appended=prompt[len(session.token_ids):], max_new=MAX_NEW, choose=greedy,
+              on_token=lambda _t: False)
     batch.decode_rows(lm.model, session.states, [row], batch_size=1, eos=batch.eos_ids(lm.model),
                       pad_id=batch.padding_id(lm.tokenizer, lm.model))
     return row.answer
@@ -252,7 +253,7 @@ def test_broken_batched_path_is_caught_by_the_probe_and_answers_alone(tokenizer,
 
 
 def test_probe_refuses_what_it_cannot_run(tiny_lm):
-    """A model not attending through kvcli's functions is never batched; a failure inside the Decoder is a verdict."""
+    """A model not attending through kvcli's functions is never batched; a failure inside the BatchDecoder is a verdict."""
     model = tiny_lm.model
     impl = model.config._attn_implementation
     try:

@@ -57,6 +57,7 @@ class _Entry:
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     measure: Callable[[], int] | None = None  # caches: the bytes held now (buffers grow while answering)
+    engine: Any = None  # models: the model's one engine (engine/scheduling/scheduler.py)
 
     def size(self) -> int:
         if self.measure is not None:
@@ -84,9 +85,7 @@ class Lease:
     @property
     def concurrency(self) -> int:
         """Questions that decode together on this document (1: one at a time)."""
-        from ..engine.scheduling.scheduler import engine_for
-
-        engine = engine_for(self.session.lm)
+        engine = self._model.engine
         return (engine.width or 1) if engine.batched else 1
 
     def ask(self, question: str, options: Any = None, on_text: Callable[[str], None] | None = None,
@@ -202,8 +201,8 @@ class Warm:
             row = {**e.info, "bytes": e.size(), "loaded_at": e.loaded_at, "last_used": e.last_used, "answers": e.answers, "in_use": e.users}
             if e.kind == "model":
                 row["prefills"] = e.prefills
-            lm = e.obj if e.kind == "model" else e.obj.lm
-            engine = getattr(lm, "_engine", None)
+            model = e if e.kind == "model" else self._entries.get(e.model_key)
+            engine = model.engine if model is not None else None
             width = 1 if engine is not None and engine.mode == "one at a time" else (engine.width if engine else None) or self.batch_size
             if e.kind == "model":
                 row["decoding"] = engine.mode if engine is not None else "idle"
@@ -241,17 +240,14 @@ class Warm:
         """Whether any request holds a model or cache, or any engine has work (for the idle timeout)."""
         with self._mutex:
             entries = list(self._entries.values())
-        return any(e.users > 0 for e in entries) or any(
-            getattr(e.obj, "_engine", None) is not None and e.obj._engine.busy for e in entries if e.kind == "model")
+        return any(e.users > 0 for e in entries) or any(e.engine.busy for e in entries if e.kind == "model")
 
     def close(self) -> None:
         """Stop every model's engine: questions still waiting or decoding end with Cancelled."""
         with self._mutex:
-            models = [e.obj for e in self._entries.values() if e.kind == "model"]
-        for lm in models:
-            engine = getattr(lm, "_engine", None)
-            if engine is not None:
-                engine.close()
+            engines = [e.engine for e in self._entries.values() if e.kind == "model"]
+        for engine in engines:
+            engine.close()
 
     # ---- internals
     @contextmanager
@@ -346,7 +342,7 @@ class Warm:
         from ..format.codec import dtype_name
 
         lm = models.load(source=source, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=progress)
-        engine_for(lm, width=self.batch_size)  # rows per document on this model: the server's --batch-size
+        engine = engine_for(lm, width=self.batch_size)  # rows per document on this model: the server's --batch-size
         canonical = json.dumps(["model", lm.source, device, dtype_name(lm.dtype), trust_remote_code], sort_keys=True)
         with self._mutex:
             self._alias[key] = canonical
@@ -356,7 +352,7 @@ class Warm:
                 return existing
             info = {"name": lm.source.get("name") or lm.fingerprint.get("name"), "source": lm.source.get("kind"),
                     "dtype": dtype_name(lm.dtype), "device": str(lm.device), "weights": lm.weights}
-            entry = _Entry(canonical, "model", lm, memory.model_bytes(lm), info, users=1)
+            entry = _Entry(canonical, "model", lm, memory.model_bytes(lm), info, users=1, engine=engine)
             self._entries[canonical] = entry
             self._evict()
             return entry

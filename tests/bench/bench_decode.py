@@ -8,7 +8,7 @@ Session.ask (the engine thread, the lone row on the document's cache) and of tra
 given a DynamicCache of the same document (its own cache, which concatenates every layer's keys/values
 at each step), the same greedy question; medians of --rounds, the ratio, and whether the tokens agree.
 --busy N starts N busy-looping processes for the measurement (and stops them). --profile times steady
-one-row decode steps (SoloDecoder in this thread: as shipped, with every product split across two cores
+one-row decode steps (OneRowDecoder in this thread: as shipped, with every product split across two cores
 and with none, engine/model/linear.py), lists torch.profiler's top ops by self CPU time, and
 times the one-row products of the step's shapes alone at 1 and 2 torch threads. Prints the CPU, its
 flags, the thread count and the load average before and after. With no --cache the sample document is
@@ -66,8 +66,9 @@ def main() -> None:
     import torch
 
     import kvcli
-    from kvcli.engine.decoding.batch import Row, eos_ids
-    from kvcli.engine.decoding.solo import SoloDecoder
+    from kvcli.engine.decoding.batch import eos_ids
+    from kvcli.engine.decoding.protocol import Row
+    from kvcli.engine.decoding.solo import OneRowDecoder
 
     lm = kvcli.load()
     cache = Path(args.cache) if args.cache else WORK / "document.kv"
@@ -83,7 +84,7 @@ def main() -> None:
 
     if args.profile:
         row = Row(0, list(prompt), list(prompt[doc:]), 10_000, lambda _i, lg: int(torch.argmax(lg)), lambda _t: False)
-        d = SoloDecoder(lm.model, session.cache, eos=set(), length=doc)
+        d = OneRowDecoder(lm.model, session.cache, eos=set(), length=doc)
         d.add(row)
         d.step()  # the question's own ids
         for _ in range(3):

@@ -42,8 +42,9 @@ def main() -> None:
     import torch
 
     import kvcli
-    from kvcli.engine.decoding.batch import Row, eos_ids
-    from kvcli.engine.decoding.solo import SoloDecoder
+    from kvcli.engine.decoding.batch import eos_ids
+    from kvcli.engine.decoding.protocol import Row
+    from kvcli.engine.decoding.solo import OneRowDecoder
     from kvcli.engine.scheduling import openmp
 
     lm = kvcli.load(weights=args.weights) if args.weights else kvcli.load()
@@ -71,7 +72,7 @@ def main() -> None:
     def main_thread() -> float:
         row = Row(0, list(session.token_ids) + ids, list(ids), args.tokens, lambda _i, lg: int(torch.argmax(lg)),
                   lambda _t: False)
-        d = SoloDecoder(lm.model, session.cache, eos=eos_ids(lm.model), length=len(session.token_ids))
+        d = OneRowDecoder(lm.model, session.cache, eos=eos_ids(lm.model), length=len(session.token_ids))
         d.add(row)
         d.step()  # the question's own ids
         t = time.perf_counter()

@@ -2,7 +2,7 @@
 
 Each question appends its own tokens to a row of small suffix buffers; the document is never copied
 per question. kvcli's cascade attention (engine/model/attention.py) reads both parts through the Step the
-Decoder (engine/decoding/batch.py) sets before each forward pass.
+BatchDecoder (engine/decoding/batch.py) sets before each forward pass.
 """
 
 from __future__ import annotations

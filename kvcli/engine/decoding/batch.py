@@ -9,10 +9,7 @@ batch and a waiting one takes its row between steps.
 
 from __future__ import annotations
 
-import inspect
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,67 +17,36 @@ import torch
 from ..model import attention
 from ..model.linear import weight_first, weight_first_helps
 from ..cache.shared import GROW_TOKENS, SharedPrefixCache, Step
-from ...errors import CacheCorruptError
+from .protocol import Row, RowQueue, take
 
 
-@dataclass
-class Row:
-    """One question in the batch."""
+class BatchDecoder(RowQueue):
+    """The batch, one step at a time (engine/decoding/protocol.py's Decoder): rows join between steps, leave
+    when finished (or dropped).
 
-    index: int
-    prompt: list[int]  # cached + appended ids
-    appended: list[int]
-    max_new: int
-    choose: Callable[[list[int], torch.Tensor], int]  # (ids so far, logits [vocab]) -> next id
-    on_token: Callable[[int], bool]  # hands a new id to the stream; True when a stop string ended the answer
-    answer: list[int] = field(default_factory=list)
-    slot: int = -1  # buffer row
-    offset: int = 0  # tokens written to the row
-    processed: int = 0
-    first_token_at: float | None = None
-    finished_at: float = 0.0
-    finish_reason: str = ""
-    logits: list[torch.Tensor] | None = None  # with check: the raw logits [vocab] of every answer step
-
-
-class Decoder:
-    """The batch, one step at a time: rows join between steps, leave when finished (or dropped).
-
-    Holds at most `width` rows in a SharedPrefixCache over the document's `states` (the suffix buffers
-    go with the Decoder: the engine drops a Decoder once its document has no asker left). step() runs one
-    forward pass: the joining rows' own tokens if any wait (they share one padded pass), else one new token
-    for every active row.
+    Holds at most `width` rows in a SharedPrefixCache over the document's `states` (the suffix buffers go
+    with the decoder: the engine drops it once its document has no asker left). step() runs one forward
+    pass: the joining rows' own tokens if any wait (they share one padded pass), else one new token for
+    every active row.
     """
 
     def __init__(self, model: Any, states: Sequence[Any], *, width: int, eos: set[int], pad_id: int,
                  length: int | None = None):
-        self.model, self.states, self.width, self.eos, self.pad_id = model, states, width, eos, pad_id
+        super().__init__(model, states, eos, length)
+        self.states, self.width, self.pad_id = states, width, pad_id
         self.device = states[0].keys.device
-        self.cached_length = check_lengths(states, length)
         self.cache: SharedPrefixCache | None = None
-        self.waiting: list[Row] = []
-        self.active: list[Row] = []
         self.free = list(range(width))
         self.mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)  # a 4D mask is passed as-is
-        self.last_rows = 0  # rows in the latest forward pass
-        # the lm head runs only where a next token is needed (a joining row's last id), if the model allows
-        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.weight_first = weight_first_helps(model)  # float32 linear layers on the CPU: engine/model/linear.py
 
-    @property
-    def busy(self) -> bool:
-        return bool(self.waiting or self.active)
+    def bytes(self) -> int:
+        """The suffix buffers' bytes (held until the engine lets this decoder go)."""
+        layers = self.cache.layers if self.cache is not None else ()
+        return sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
 
-    def add(self, row: Row) -> None:
-        self.waiting.append(row)
-
-    def drop(self, row: Row) -> None:
-        """Take a row out (its asker left): it frees its slot and is never finished."""
-        if row in self.waiting:
-            self.waiting.remove(row)
-        elif row in self.active:
-            self.active.remove(row)
-            self.free.append(row.slot)
+    def _leave(self, row: Row) -> None:
+        self.free.append(row.slot)
 
     def _forward(self, batch: list[Row], ids: torch.Tensor, uniform: int | None, last: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [rows, q, vocab] of ids [rows, q] at each row's slots; [rows, 1, vocab] at positions `last` [rows, 1]."""
@@ -153,55 +119,22 @@ class Decoder:
                     r.offset += 1
                     r.processed += 1
                     take(r, logits[i, 0].float(), self.eos)
-        finished = [r for r in self.active if r.finish_reason]
-        for r in finished:
-            r.finished_at = time.perf_counter()
-            self.active.remove(r)
-            self.free.append(r.slot)
-        return finished
+        return self._finished()
 
 
 def decode_rows(model: Any, states: Sequence[Any], rows: list[Row], *, batch_size: int, eos: set[int],
                 pad_id: int, done: Callable[[Row], None] | None = None) -> None:
-    """Run every row to its end through one Decoder, outside any engine (the batching probe, tests), at most
+    """Run every row to its end through one BatchDecoder, outside any engine (the batching probe, tests), at most
     batch_size at once; rows fill in place (answer, timings)."""
     if not rows:
         return
-    decoder = Decoder(model, states, width=min(batch_size, len(rows)), eos=eos, pad_id=pad_id)
+    decoder = BatchDecoder(model, states, width=min(batch_size, len(rows)), eos=eos, pad_id=pad_id)
     for row in rows:
         decoder.add(row)
     while decoder.busy:
         for row in decoder.step():
             if done:
                 done(row)
-
-
-def take(row: Row, logits: torch.Tensor, eos: set[int]) -> None:
-    """Choose the row's next id from its logits [vocab] and say whether that ended its answer."""
-    if row.logits is not None:
-        row.logits.append(logits.clone())  # before any processor: what check.compare measures
-    token = row.choose(row.prompt + row.answer, logits)
-    if row.first_token_at is None:
-        row.first_token_at = time.perf_counter()
-    row.answer.append(token)
-    stopped = row.on_token(token)
-    if stopped or token in eos:
-        row.finish_reason = "stop"
-    elif len(row.answer) >= row.max_new:
-        row.finish_reason = "length"
-
-
-def check_lengths(states: Sequence[Any], length: int | None = None) -> int:
-    """The document's length, which every layer must count (a sliding layer counts more tokens than it keeps).
-
-    A layer restored with another count would put the question at the wrong positions (batched) or make
-    the model run the document again (generate()): CacheCorruptError before any forward pass."""
-    counted = {s.seq_length for s in states}
-    want = length if length is not None else max(counted)
-    if counted != {want}:
-        raise CacheCorruptError(f"the restored layers count {sorted(counted)} tokens, the document has {want}: "
-                                "a sliding layer lost its counted length; rebuild the cache")
-    return want
 
 
 def padding_id(tokenizer: Any, model: Any) -> int:

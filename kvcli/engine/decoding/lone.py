@@ -13,19 +13,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from .batch import Decoder, Row
-from .solo import SoloDecoder
+from .batch import BatchDecoder
+from .protocol import Row
+from .solo import OneRowDecoder
 from ..cache.kvcache import FullLayer
 
 
-class LoneFirstDecoder:
-    """Decoder's interface (add, drop, step, busy, waiting, active) over a SoloDecoder for a lone row and a
-    batch Decoder, made anew each time a second row arrives."""
+class LoneOrBatchDecoder:
+    """engine/decoding/protocol.py's Decoder over a OneRowDecoder for a lone row and a BatchDecoder, made anew
+    each time a second row arrives."""
 
     def __init__(self, model: Any, cache: Any, *, width: int, eos: set[int], pad_id: int, length: int | None = None):
         self.model, self.kv, self.width, self.eos, self.pad_id, self.length = model, cache, width, eos, pad_id, length
-        self.solo = SoloDecoder(model, cache, eos=eos, length=length)
-        self.batch: Decoder | None = None
+        self.solo = OneRowDecoder(model, cache, eos=eos, length=length)
+        self.batch: BatchDecoder | None = None
         self.incoming: list[Row] = []
         self.last_rows = 0
 
@@ -35,21 +36,16 @@ class LoneFirstDecoder:
         return all(isinstance(layer, FullLayer) for layer in cache.layers)
 
     @property
-    def waiting(self) -> list[Row]:
-        return self.incoming + self.solo.waiting + (self.batch.waiting if self.batch else [])
-
-    @property
-    def active(self) -> list[Row]:
-        return self.solo.active + (self.batch.active if self.batch else [])
+    def rows(self) -> list[Row]:
+        return self.incoming + self.solo.rows + (self.batch.rows if self.batch else [])
 
     @property
     def busy(self) -> bool:
         return bool(self.incoming) or self.solo.busy or bool(self.batch and self.batch.busy)
 
-    @property
-    def cache(self) -> Any:
-        """The batch's suffix buffers while a batch runs (what the engine counts as this document's extra memory)."""
-        return self.batch.cache if self.batch else None
+    def bytes(self) -> int:
+        """The batch's suffix buffers while it is held; the lone row grows the document's own cache."""
+        return self.batch.bytes() if self.batch else 0
 
     def add(self, row: Row) -> None:
         self.incoming.append(row)
@@ -57,14 +53,14 @@ class LoneFirstDecoder:
     def drop(self, row: Row) -> None:
         if row in self.incoming:
             self.incoming.remove(row)
-        elif row in self.solo.waiting or row in self.solo.active:
+        elif row in self.solo.rows:
             self.solo.drop(row)
         elif self.batch:
             self.batch.drop(row)
 
     def step(self) -> list[Row]:
         """One forward pass: the lone row on its own, else every row in the batch (the lone one moved in first)."""
-        alone = not (self.batch and self.batch.busy) and len(self.incoming) + len(self.solo.waiting) + len(self.solo.active) <= 1
+        alone = not (self.batch and self.batch.busy) and len(self.incoming) + len(self.solo.rows) <= 1
         if alone:
             self.solo.waiting += self.incoming
             self.incoming.clear()
@@ -72,8 +68,8 @@ class LoneFirstDecoder:
             self.last_rows = self.solo.last_rows
             return finished
         if self.batch is None or not self.batch.busy:  # a new batch over the document's views as they are now
-            self.batch = Decoder(self.model, self.kv.states(), width=self.width, eos=self.eos, pad_id=self.pad_id,
-                                 length=self.length)
+            self.batch = BatchDecoder(self.model, self.kv.states(), width=self.width, eos=self.eos,
+                                      pad_id=self.pad_id, length=self.length)
         if self.solo.active:
             self._move(self.solo.active.pop())
         self.batch.waiting += self.solo.waiting + self.incoming  # in the order they came

@@ -1,6 +1,6 @@
 """Questions on one document -> decoding rows -> answers: what the engine (engine/scheduling/scheduler.py) runs.
 
-Each question becomes a Row of engine/decoding/batch.py (its appended ids, its room, its own chooser: the logits
+Each question becomes a Row of engine/decoding/protocol.py (its appended ids, its room, its own chooser: the logits
 processors and seeded sampler generate() would apply), with a text stream (engine/decoding/detok.py) that settles
 its answer as tokens come; a finished row becomes an Answer. `in_order` renders answers finishing in any
 order as if asked one by one.
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .batch import Row
 from .detok import TextStream
+from .protocol import Row
 
 
 def greedy(_ids: list[int], logits: torch.Tensor) -> int:

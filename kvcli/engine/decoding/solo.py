@@ -2,7 +2,7 @@
 
 For a model whose batched (cascade) path was not proven exact when it loaded (engine/scheduling/probe.py), the
 engine decodes each document's rows through this one at a time: the same rows, choosers, streams and
-counts as engine/decoding/batch.py's Decoder, on the Session's KVCache (rewound to the document after each
+counts as engine/decoding/batch.py's BatchDecoder, on the Session's KVCache (rewound to the document after each
 row, so nothing is copied), with the attention kernels plain generate() would use. A one-row step may run its
 float32 products split across two cores (engine/model/linear.py, the same bits), whenever its steps measure
 faster that way (Faster).
@@ -10,45 +10,28 @@ faster that way (Faster).
 
 from __future__ import annotations
 
-import inspect
 import time
 from typing import Any
 
 import torch
 
-from .batch import Row, check_lengths, take
+from .protocol import Row, RowQueue, take
 from ..model.linear import split_rows, split_rows_helps
 
 
-class SoloDecoder:
-    """Decoder's interface (add, drop, step, busy) for one row at a time on `cache` (engine/kvcache.KVCache)."""
-
-    width = 1
+class OneRowDecoder(RowQueue):
+    """engine/decoding/protocol.py's Decoder for one row at a time on `cache` (engine/cache/kvcache.KVCache),
+    rewound to the document whenever a row leaves."""
 
     def __init__(self, model: Any, cache: Any, *, eos: set[int], length: int | None = None):
-        check_lengths(cache.states(), length)
-        self.model, self.cache, self.eos = model, cache, eos
+        super().__init__(model, cache.states(), eos, length)
+        self.cache = cache
         self.device = model.device
-        self.waiting: list[Row] = []
-        self.active: list[Row] = []
-        self.last_rows = 0
-        keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._keep = {"logits_to_keep": 1} if keeps else {}  # the lm head at the last id only, if the model allows
+        self._keep = {"logits_to_keep": 1} if self.keeps_logits else {}  # the lm head at the last id only
         self.split = Faster() if split_rows_helps(model) else None  # one-row float32 products on two cores
 
-    @property
-    def busy(self) -> bool:
-        return bool(self.waiting or self.active)
-
-    def add(self, row: Row) -> None:
-        self.waiting.append(row)
-
-    def drop(self, row: Row) -> None:
-        if row in self.waiting:
-            self.waiting.remove(row)
-        elif row in self.active:
-            self.active.remove(row)
-            self.cache.rewind()
+    def _leave(self, row: Row) -> None:
+        self.cache.rewind()
 
     def step(self) -> list[Row]:
         """One forward pass: the next row's appended ids, or one new token of the running row."""
@@ -75,21 +58,16 @@ class SoloDecoder:
                                      **self._keep)
                 if split is not None:
                     self.split.record(split, time.perf_counter() - t0)
-            except BaseException:
-                self.active = []
+            except BaseException:  # the row stays held (waiting again, or active) for the caller to drop
                 self.cache.rewind()
                 if ids is row.appended:
+                    self.active = []
                     self.waiting.insert(0, row)
                 raise
             self.last_rows = 1
             row.processed = self.cache.processed
             take(row, out.logits[0, -1].float(), self.eos)
-        if not row.finish_reason:
-            return []
-        row.finished_at = time.perf_counter()
-        self.active = []
-        self.cache.rewind()
-        return [row]
+        return self._finished()
 
 
 class Faster:

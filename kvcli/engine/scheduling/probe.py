@@ -1,10 +1,10 @@
-"""Whether a loaded model decodes exactly through batch.Decoder: measured on the model itself, never by its name.
+"""Whether a loaded model decodes exactly through batch.BatchDecoder: measured on the model itself, never by its name.
 
 A modeling file can keep its rows from reaching kvcli's cascade attention in ways no list of names
 foresees (StableLM's decoder layer dropped the keywords that once carried the shared cache; a model
 that attends without transformers' attention interface never calls kvcli at all; ALiBi or other
 biases live in a mask the cascade never reads). So once per loaded model, a short document's states
-go through the Decoder with rows of different question lengths (padded together, then decoding at
+go through the BatchDecoder with rows of different question lengths (padded together, then decoding at
 different slots, then a row joining into a freed slot) and with a single row, and every step's logits
 are compared with one plain forward of the model over the same document, question and answer, without
 a cache (the full recompute every answer must equal). A model that fails decodes its rows one at a
@@ -30,7 +30,7 @@ Q4_RULES = 2  # in a q4 model's remembered-verdict key: 2 since its rows are hel
 
 @dataclass(frozen=True)
 class Batching:
-    """The verdict: ok (rows may share one Decoder), why, the largest logit difference measured, the probe's cost."""
+    """The verdict: ok (rows may share one BatchDecoder), why, the largest logit difference measured, the probe's cost."""
 
     ok: bool
     reason: str
@@ -68,12 +68,13 @@ def _reference(model: Any, doc: list[int], rows: list[Any]) -> list[Any]:
 
 
 def _measure(model: Any) -> tuple[float, float]:
-    """(largest logit difference, largest one relative to max(1, |logits|)) of the Decoder, batched and single,
+    """(largest logit difference, largest one relative to max(1, |logits|)) of the BatchDecoder, batched and single,
     against the plain forward."""
     import torch
     from transformers import DynamicCache
 
     from ..decoding import batch
+    from ..decoding.protocol import Row
     from ..cache import layers
 
     vocab = _vocab(model)
@@ -85,8 +86,8 @@ def _measure(model: Any) -> tuple[float, float]:
 
     def row(i: int, q: int, n: int) -> Any:
         appended = _ids(vocab, q, 1 + i)
-        return batch.Row(index=i, prompt=doc + appended, appended=appended, max_new=n, logits=[],
-                         choose=lambda _ids, logits: int(torch.argmax(logits)), on_token=lambda _t: False)
+        return Row(index=i, prompt=doc + appended, appended=appended, max_new=n, logits=[],
+                   choose=lambda _ids, logits: int(torch.argmax(logits)), on_token=lambda _t: False)
 
     rows = [row(i, q, n) for i, (q, n) in enumerate(BATCHED)]
     batch.decode_rows(model, states, rows, batch_size=2, eos=set(), pad_id=doc[0])
@@ -117,7 +118,7 @@ def probe(model: Any) -> Batching:
     t0 = time.perf_counter()
     try:
         diff, ratio = _measure(model)
-    except Exception as exc:  # a modeling file the Decoder cannot drive: rows go one at a time
+    except Exception as exc:  # a modeling file the BatchDecoder cannot drive: rows go one at a time
         why = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return Batching(False, f"batched decoding failed ({exc.__class__.__name__}: {why})", float("inf"),
                         (time.perf_counter() - t0) * 1000)
@@ -143,7 +144,7 @@ def verdict(model: Any) -> Batching:
 
 
 def batchable(model: Any) -> bool:
-    """Whether the model's rows may share one batch.Decoder: it attends through kvcli's functions and the
+    """Whether the model's rows may share one batch.BatchDecoder: it attends through kvcli's functions and the
     probe measured its batched and single rows equal to its plain forward (once per model)."""
     from ..model import attention
 

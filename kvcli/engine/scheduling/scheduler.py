@@ -3,7 +3,7 @@
 Askers (the CLI in-process, a socket client's thread, an HTTP request) submit questions and read events
 back in their own thread: settled text, finished answers, errors. Each step of the loop runs one forward
 pass per document with rows (the joining rows' own ids, else one new token for every running row, in a
-batch: engine/decoding/batch.py; one row at a time where the batched path was not proven exact: engine/decoding/solo.py),
+batch, or one row at a time where the batched path was not proven exact: engine/decoding/protocol.py),
 then hands one turn to other work waiting for the model (a prefill chunk, a --check recompute). So a
 long prefill pauses running answers for one chunk at a time, a new question joins at the next step, and
 an asker that leaves (cancelled, an exception in its callbacks, Ctrl-C) takes its rows out at the next step.
@@ -22,8 +22,9 @@ from typing import Any
 
 from ..decoding import batch, questions as qs
 from ..decoding.request import DEFAULT_BATCH as DEFAULT_WIDTH
-from ..decoding.lone import LoneFirstDecoder
-from ..decoding.solo import SoloDecoder
+from ..decoding.lone import LoneOrBatchDecoder
+from ..decoding.protocol import Decoder, Row
+from ..decoding.solo import OneRowDecoder
 from . import openmp
 
 POLL_S = 0.05  # how often a waiting asker checks whether it is still wanted
@@ -54,11 +55,11 @@ class Engine:
         self.pad_id = batch.padding_id(lm.tokenizer, lm.model)
         self._cv = threading.Condition()
         self._incoming: list[tuple[Any, qs.Question, queue.SimpleQueue, int]] = []
-        self._leaving: list[batch.Row] = []
+        self._leaving: list[Row] = []
         self._turns: deque[_Turn] = deque()
-        self._decoders: dict[int, Any] = {}  # id(session) -> its Decoder or SoloDecoder
+        self._decoders: dict[int, tuple[Any, Decoder]] = {}  # id(session) -> (session, its decoder)
         self._owners: dict[int, tuple[Any, queue.SimpleQueue]] = {}  # id(row) -> (session, its asker's events)
-        self._askers: dict[int, int] = {}  # id(session) -> askers with questions on it (its Decoder stays while any)
+        self._askers: dict[int, int] = {}  # id(session) -> askers with questions on it (its decoder stays while any)
         self._thread: threading.Thread | None = None
         self._closed = False
         self._inside = threading.local()  # set in the engine thread and in a granted turn: turns nest
@@ -210,19 +211,17 @@ class Engine:
         """Bytes of the suffix buffers the batch of this document holds now (0 one at a time, or when idle)."""
         with self._cv:
             held = self._decoders.get(id(session))
-        cache = getattr(held[1], "cache", None) if held else None
-        layers = getattr(cache, "layers", None) if cache is not None and not hasattr(cache, "rewind") else None
-        return sum(t.numel() * t.element_size() for layer in layers or () for t in (layer.keys, layer.values))
+        return held[1].bytes() if held else 0
 
-    def _decoder(self, session: Any, width: int) -> Any:
+    def _decoder(self, session: Any, width: int) -> Decoder:
         length = len(session.token_ids)
         if width == 1 or not self.batched:  # rows one at a time, on the model's own attention
-            return SoloDecoder(self.lm.model, session.cache, eos=self.eos, length=length)
-        if LoneFirstDecoder.suits(session.cache):  # a lone row on the model's own attention; joined, batched
-            return LoneFirstDecoder(self.lm.model, session.cache, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
-        return batch.Decoder(self.lm.model, session.states, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
+            return OneRowDecoder(self.lm.model, session.cache, eos=self.eos, length=length)
+        if LoneOrBatchDecoder.suits(session.cache):  # a lone row on the model's own attention; joined, batched
+            return LoneOrBatchDecoder(self.lm.model, session.cache, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
+        return batch.BatchDecoder(self.lm.model, session.states, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
 
-    def _take_in(self) -> tuple[list[tuple[Any, Any]], _Turn | None]:
+    def _take_in(self) -> tuple[list[tuple[Any, Decoder]], _Turn | None]:
         """Under _cv: new rows in, leaving rows out; the documents to step and the turn to grant."""
         for session, q, events, limit in self._incoming:
             key = id(session)
@@ -269,11 +268,11 @@ class Engine:
         return bool(self._incoming or self._leaving or self._turns or self._closed
                     or any(d.busy for _s, d in self._decoders.values()))
 
-    def _step(self, session: Any, decoder: Any) -> None:
+    def _step(self, session: Any, decoder: Decoder) -> None:
         try:
             finished = decoder.step()
         except Exception as exc:  # handed to every asker in this document's batch; the engine goes on
-            for row in decoder.waiting + decoder.active:
+            for row in decoder.rows:
                 _s, events = self._owners.pop(id(row))
                 events.put(("error", row.index, exc))
                 decoder.drop(row)
@@ -289,8 +288,7 @@ class Engine:
     def _stop_all(self) -> None:
         """Under _cv, closing: every asker still waiting hears Stopped; turns are granted so nobody hangs."""
         rows = [(q.row, events) for _s, q, events, _l in self._incoming]
-        rows += [(r, self._owners[id(r)][1]) for _s, d in self._decoders.values() for r in d.waiting + d.active
-                 if id(r) in self._owners]
+        rows += [(r, self._owners[id(r)][1]) for _s, d in self._decoders.values() for r in d.rows if id(r) in self._owners]
         for row, events in rows:
             events.put(("error", row.index, Stopped("the server stopped before the answer was complete")))
         self._incoming.clear()
@@ -301,14 +299,15 @@ class Engine:
 
 
 _engines_lock = threading.Lock()
+_engines: dict[int, Engine] = {}  # id(model) -> its engine, which holds the model: the id stays that model's
 
 
 def engine_for(lm: Any, width: int | None = None) -> Engine:
     """The model's one engine (made on first use); `width` sets its rows per document."""
     with _engines_lock:
-        engine = getattr(lm, "_engine", None)
+        engine = _engines.get(id(lm))
         if engine is None:
-            engine = lm._engine = Engine(lm)
+            engine = _engines[id(lm)] = Engine(lm)
         if width is not None:
             engine.width = width
         return engine
