@@ -332,3 +332,25 @@ def test_split_products_give_generates_tokens(tokenizer, tmp_path, monkeypatch, 
     assert len(a.answer_token_ids) == 24 and len(set(a.answer_token_ids)) > 5
     assert any(rows > 64 for rows, _in in split) and all(linear._same_bits.values())  # split in blocks, same bits
     assert a.answer_token_ids == reference_answer(model, a.prompt_token_ids, 24)
+
+
+def test_steps_with_a_pool_beside_or_not_give_generates_tokens(tokenizer, tmp_path, monkeypatch):
+    """Where the kernel threads one-row products, steps alternate between the helper's OpenMP pool beside the
+    engine's and none (linear.pool_beside): the same kernels, so generate()'s tokens."""
+    from kvcli.engine.decoding import solo
+    from kvcli.engine.model import linear
+
+    monkeypatch.setattr(solo, "split_rows_helps", lambda _model: False)
+    monkeypatch.setattr(solo, "pool_beside_helps", lambda _model: True)
+    ways = iter([True, False] * 20)
+    monkeypatch.setattr(solo.Faster, "pick", lambda self: next(ways))
+    seen = []
+    real = linear.pool_beside
+    monkeypatch.setattr(solo, "pool_beside", lambda on: seen.append(on) or real(on))
+    model = build("llama", tokenizer)
+    lm = kvcli.from_objects(model, tokenizer, name="tiny-llama")
+    prefill(lm, decode(sample_text()[:700].encode(), "licence.txt"), tmp_path / "doc.kv", chunk_size=56)
+    a = kvcli.Session(lm, tmp_path / "doc.kv").ask(QUESTIONS[0], kvcli.GenerationOptions(max_new_tokens=24))
+    real(False)
+    assert len(a.answer_token_ids) == 24 and True in seen and False in seen
+    assert a.answer_token_ids == reference_answer(model, a.prompt_token_ids, 24)

@@ -215,3 +215,13 @@ def test_no_product_is_split_where_the_kernel_threads_a_one_row_product(monkeypa
         assert linear.split_rows_helps(model) is helps
         assert linear.split_rows_helps(model) is helps  # found once: _threads is not read again
         assert released == ([] if helps else [True])
+
+
+def test_the_pool_beside_is_made_once_and_given_back_once(monkeypatch):
+    released = []
+    real = linear.openmp.release
+    monkeypatch.setattr(linear.openmp, "release", lambda: released.append(1) or real())
+    monkeypatch.setattr(linear, "_pool_on", False)
+    for on in (True, True, False, False):
+        linear.pool_beside(on)
+    assert released == [1] and linear._pool_on is False

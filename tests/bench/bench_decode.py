@@ -1,6 +1,7 @@
 """One question's decode against transformers' own, on the same weights and cache (a script, not collected):
 
     python tests/bench/bench_decode.py [--tokens 32] [--rounds 5] [--busy N] [--cache DIR] [--json]
+    python tests/bench/bench_decode.py --apart [--tokens 32] [--rounds 5] [--busy N]
     python tests/bench/bench_decode.py --profile [--steps 10]
 
 Default: in one process, taking turns, decode ms per token (after the first token) of kvcli's
@@ -60,7 +61,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="--profile: profiled steps")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--apart", action="store_true", help="each way in fresh processes of its own, taking turns")
+    ap.add_argument("--child", choices=("kvcli", "generate"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.apart:
+        return apart(args)
     load_before = os.getloadavg()
 
     import torch
@@ -162,6 +167,12 @@ def main() -> None:
         ids = out[0, x.shape[1]:].tolist()
         return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1) * 1000, ids
 
+    if args.child:  # one warm-up answer, then one measured
+        way = kvcli_ask if args.child == "kvcli" else generate
+        way()
+        ms, ids = way()
+        print(json.dumps({"ms": ms, "ids": ids}))
+        return
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
         kvcli_ask(), generate()  # warm-up
@@ -191,6 +202,34 @@ def main() -> None:
         print(f"  {k:9s} {result['ms_per_token'][k]:7.1f} ms/token  (all: {result['all_ms_per_token'][k]})")
     print(f"  kvcli / generate: {result['ratio']}x, same tokens: {result['same_tokens']}")
     print(f"load average before {result['load_before']}, after {result['load_after']}")
+
+
+def apart(args) -> None:
+    """--apart: --rounds rounds, each way in a fresh process per round (no process holds the other's threads)."""
+    load_before = os.getloadavg()
+    child = [sys.executable, __file__, "--tokens", str(args.tokens)] + (["--cache", args.cache] if args.cache else [])
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    times: dict[str, list[float]] = {"kvcli": [], "generate": []}
+    tokens: dict[str, list[int]] = {}
+    try:
+        for _ in range(args.rounds):
+            for way in times:
+                done = subprocess.run([*child, "--child", way], capture_output=True, text=True, timeout=900, check=True)
+                got = json.loads(done.stdout.strip().splitlines()[-1])
+                times[way].append(got["ms"])
+                tokens[way] = got["ids"]
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    name, flags = cpu()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"{name}, {os.cpu_count()} cores, flags {' '.join(flags)}, {args.tokens} new tokens, {args.busy} busy processes "
+          f"beside, each way in fresh processes")
+    for k, v in times.items():
+        print(f"  {k:9s} {med[k]:7.1f} ms/token  (all: {[round(x, 1) for x in v]})")
+    print(f"  kvcli / generate: {med['kvcli'] / med['generate']:.3f}x, same tokens: {tokens['kvcli'] == tokens['generate']}")
+    print(f"load average before {[round(x, 2) for x in load_before]}, after {[round(x, 2) for x in os.getloadavg()]}")
 
 
 if __name__ == "__main__":

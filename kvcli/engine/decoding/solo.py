@@ -5,7 +5,8 @@ engine decodes each document's rows through this one at a time: the same rows, c
 counts as engine/decoding/batch.py's BatchDecoder, on the Session's KVCache (rewound to the document after each
 row, so nothing is copied), with the attention kernels plain generate() would use. A one-row step may run its
 float32 products split across two cores (engine/model/linear.py, the same bits), whenever its steps measure
-faster that way (Faster).
+faster that way (Faster); where torch's kernel threads one-row products itself, a step chooses the same way
+whether the engine's OpenMP workers spin or sleep between regions (linear.pool_beside: the same bits).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from .protocol import Row, RowQueue, take
-from ..model.linear import split_rows, split_rows_helps
+from ..model.linear import pool_beside, pool_beside_helps, split_rows, split_rows_helps
 
 
 class OneRowDecoder(RowQueue):
@@ -29,6 +30,7 @@ class OneRowDecoder(RowQueue):
         self.device = model.device
         self._keep = {"logits_to_keep": 1} if self.keeps_logits else {}  # the lm head at the last id only
         self.split = Faster() if split_rows_helps(model) else None  # one-row float32 products on two cores
+        self.beside = Faster(every=16) if self.split is None and pool_beside_helps(model) else None  # workers spin or sleep
 
     def _leave(self, row: Row) -> None:
         self.cache.rewind()
@@ -51,13 +53,16 @@ class OneRowDecoder(RowQueue):
             # every position so far, as generate() passes it: prompt + answer ids
             mask = torch.ones((1, len(row.prompt) + len(row.answer)), dtype=torch.long, device=self.device)
             try:
-                split = self.split.pick() if self.split is not None and len(ids) == 1 else None
+                chooser = (self.split or self.beside) if len(ids) == 1 else None
+                way = chooser.pick() if chooser is not None else None
+                if self.beside is not None and way is not None:
+                    pool_beside(way)
                 t0 = time.perf_counter()
-                with split_rows(bool(split)):
+                with split_rows(bool(way) and self.split is not None):
                     out = self.model(input_ids=input_ids, attention_mask=mask, cache=self.cache, use_cache=True,
                                      **self._keep)
-                if split is not None:
-                    self.split.record(split, time.perf_counter() - t0)
+                if chooser is not None:
+                    chooser.record(way, time.perf_counter() - t0)
             except BaseException:  # the row stays held (waiting again, or active) for the caller to drop
                 self.cache.rewind()
                 if ids is row.appended:

@@ -239,3 +239,36 @@ def split_rows_helps(model: Any) -> bool:
     """Whether one-row steps of `model` gain from split_rows: float32 linear layers on the CPU, two torch
     threads or more to run on, and one-row products that torch's kernel leaves on one core."""
     return torch.get_num_threads() >= 2 and weight_first_helps(model) and _one_row_stays_on_one_core()
+
+
+_pool_on = False  # the helper holds an OpenMP pool of its own
+
+
+def pool_beside_helps(model: Any) -> bool:
+    """Whether one-row steps of `model` may choose to keep a pool beside the engine's: on the CPU, two torch
+    threads or more, and a kernel that threads one-row products (so split_rows does not apply)."""
+    return (torch.get_num_threads() >= 2 and getattr(model, "device", torch.device("cpu")).type == "cpu"
+            and not _one_row_stays_on_one_core())
+
+
+def pool_beside(on: bool) -> None:
+    """An OpenMP pool in the helper thread (on) or none (off). libgomp's idle workers spin between parallel
+    regions only while its pools hold no more threads than there are CPUs: with the helper's pool beside the
+    engine's they sleep instead. Spinning is faster on idle cores, sleeping far steadier beside busy processes
+    (docs/performance.md), so a step picks by its own times (engine/decoding/solo.py). The bits are the same."""
+    global _pool_on
+    if on == _pool_on:
+        return
+    done = threading.Event()
+
+    def job() -> None:
+        if on:
+            with torch.inference_mode():
+                torch.mm(torch.ones(1, 4096), torch.ones(4096, ROWS))  # a threaded one-row product: a pool here
+        else:
+            openmp.release()
+        done.set()
+
+    _the_helper().jobs.put(job)
+    done.wait(1.0)  # a helper not scheduled yet does it soon: nothing depends on it but speed
+    _pool_on = on
