@@ -199,3 +199,26 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.section("exactness measured (cached path vs one forward without cache)")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+# A tiny cache of the sample's first 2,500 characters, made once per test module that asks for it (module
+# scope: a module may change or remove it). A module's own fixture of the same name takes precedence.
+@pytest.fixture(scope="module")
+def here(tmp_path_factory, request):
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_"))
+
+
+@pytest.fixture(scope="module")
+def doc_file(here):
+    path = here / "lic.txt"
+    path.write_text(sample_text()[:2500], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache_dir(doc_file, tiny_model_dir):
+    from tests.helpers import run
+
+    result = run("prefill", doc_file, "--model", tiny_model_dir)
+    assert result.exit_code == 0, result.stderr
+    return doc_file.with_suffix(".kv")

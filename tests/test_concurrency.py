@@ -108,9 +108,12 @@ def test_concurrent_asks_agree_and_a_replacing_prefill_never_mixes(world, tmp_pa
                                      env=env, capture_output=True, text=True, timeout=300)
             if "is writing this cache now" not in prefill.stderr:
                 break
-        results = [(p, *p.communicate(timeout=300)) for p in same + mixed] + [(prefill, prefill.stdout, prefill.stderr)]
-        for i, first in enumerate(firsts):
-            results[len(same) + i] = (results[len(same) + i][0], first + results[len(same) + i][1], results[len(same) + i][2])
+        results = [(p, *p.communicate(timeout=300)) for p in same]
+        for p, first in zip(mixed, firsts):  # their stdout has been read from: read on, not communicate(), which would lose what readline buffered
+            out, err = first + p.stdout.read(), p.stderr.read()  # stderr is a few lines: it never fills its pipe
+            p.wait(timeout=300)
+            results.append((p, out, err))
+        results.append((prefill, prefill.stdout, prefill.stderr))
     finally:
         stop.set()
         thread.join(timeout=60)

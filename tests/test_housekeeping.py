@@ -13,22 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import sample_text
 from tests.helpers import assert_clean_error, json_lines, run
-
-
-@pytest.fixture(scope="module")
-def doc_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("housekeeping") / "lic.txt"
-    path.write_text(sample_text()[:2500], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache_dir(doc_file, tiny_model_dir):
-    result = run("prefill", doc_file, "--model", tiny_model_dir)
-    assert result.exit_code == 0, result.stderr
-    return doc_file.with_suffix(".kv")
 
 
 # ---- rm

@@ -18,25 +18,6 @@ from tests.helpers import json_lines, run
 from tests.serve_helpers import ThreadServer, short_dir
 
 
-@pytest.fixture(scope="module")
-def here(tmp_path_factory):
-    return tmp_path_factory.mktemp("output")
-
-
-@pytest.fixture(scope="module")
-def doc_file(here):
-    path = here / "lic.txt"
-    path.write_text(sample_text()[:2500], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache_dir(doc_file, tiny_model_dir):
-    result = run("prefill", doc_file, "--model", tiny_model_dir)
-    assert result.exit_code == 0, result.stderr
-    return doc_file.with_suffix(".kv")
-
-
 @pytest.fixture()
 def server(monkeypatch):
     folder = short_dir()

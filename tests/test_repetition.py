@@ -12,20 +12,6 @@ from tests.conftest import sample_text
 from tests.helpers import assert_clean_error, json_lines, run
 
 
-@pytest.fixture(scope="module")
-def doc_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("repetition") / "lic.txt"
-    path.write_text(sample_text()[:2500], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache_dir(doc_file, tiny_model_dir):
-    result = run("prefill", doc_file, "--model", tiny_model_dir)
-    assert result.exit_code == 0, result.stderr
-    return doc_file.with_suffix(".kv")
-
-
 @pytest.mark.parametrize("settings", [("--repetition-penalty", "0.2"), ("--no-repeat-ngram-size", "3"),
                                       ("--repetition-penalty", "1.2", "--no-repeat-ngram-size", "4")])
 def test_repetition_options_equal_generate_on_the_full_prompt(cache_dir, tiny_model_dir, settings):

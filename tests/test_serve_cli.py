@@ -18,25 +18,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def here(tmp_path_factory):
-    return tmp_path_factory.mktemp("serve-cli")
-
-
-@pytest.fixture(scope="module")
-def doc_file(here):
-    path = here / "lic.txt"
-    path.write_text(sample_text()[:2500], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache_dir(doc_file, tiny_model_dir):
-    result = run("prefill", doc_file, "--model", tiny_model_dir)
-    assert result.exit_code == 0, result.stderr
-    return doc_file.with_suffix(".kv")
-
-
-@pytest.fixture(scope="module")
 def short_cache(here, short_model_dir):
     doc = here / "short.txt"
     doc.write_text(sample_text()[:2500], encoding="utf-8")
