@@ -204,6 +204,18 @@ def _threads() -> int | None:
         return None
 
 
+def _one_row_product() -> None:
+    with torch.inference_mode():
+        torch.mm(torch.ones(1, 4096), torch.ones(4096, ROWS))  # [1, 4096] x [4096, 64], as a claimed block
+
+
+def _in_helper(job, timeout: float) -> None:
+    """Run `job` in the helper thread and wait for it, at most `timeout` seconds."""
+    done = threading.Event()
+    _the_helper().jobs.put(lambda: (job(), done.set()))
+    done.wait(timeout)
+
+
 def _one_row_stays_on_one_core() -> bool:
     """Whether a one-row product in the helper thread runs there alone. Where torch's kernel threads it (MKL does
     on some CPUs), the helper's own OpenMP pool beside the engine's is one pool too many: every worker then sleeps
@@ -214,22 +226,17 @@ def _one_row_stays_on_one_core() -> bool:
         known = _one_core
     if known is not None:
         return known
-    helper = _the_helper()
-    before, seen = _threads(), threading.Event()
-    result: list[bool] = []
+    _the_helper()
+    before, result = _threads(), []
 
     def probe() -> None:
-        with torch.inference_mode():
-            w = torch.ones(2 * ROWS, 4096)
-            torch.mm(torch.ones(1, 4096), w[:ROWS].t())  # [1, 4096] x [4096, 64], as a claimed block
+        _one_row_product()
         after = _threads()
         result.append(before is not None and after is not None and after <= before)
         if not result[0]:
             openmp.release()
-        seen.set()
 
-    helper.jobs.put(probe)
-    seen.wait(60)
+    _in_helper(probe, 60)
     with _helper_lock:
         _one_core = bool(result and result[0])
         return _one_core
@@ -259,16 +266,6 @@ def pool_beside(on: bool) -> None:
     global _pool_on
     if on == _pool_on:
         return
-    done = threading.Event()
-
-    def job() -> None:
-        if on:
-            with torch.inference_mode():
-                torch.mm(torch.ones(1, 4096), torch.ones(4096, ROWS))  # a threaded one-row product: a pool here
-        else:
-            openmp.release()
-        done.set()
-
-    _the_helper().jobs.put(job)
-    done.wait(1.0)  # a helper not scheduled yet does it soon: nothing depends on it but speed
+    # a helper not scheduled yet does it soon: nothing depends on it but speed
+    _in_helper(_one_row_product if on else openmp.release, 1.0)
     _pool_on = on
