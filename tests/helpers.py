@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -70,3 +71,9 @@ def as_format_version(cache, version: int) -> dict:
     body["manifest_sha256"] = mf.checksum(body)
     (path / mf.MANIFEST_NAME).write_text(json.dumps(body))
     return body
+
+
+def converted_default_model(home) -> Path:
+    """The default GGUF's converted transformers folder under a KVCLI_HOME (its -config and -q4 siblings left out)."""
+    (folder,) = [f for f in (Path(home) / "models").glob("gguf-*") if not f.name.endswith(("-config", "-q4"))]
+    return folder

@@ -10,7 +10,7 @@ import pytest
 import kvcli
 from kvcli.engine.model import models, paging
 from tests.conftest import SAMPLES, reference_answer, tiny_llama
-from tests.helpers import assert_clean_error, json_lines, run
+from tests.helpers import assert_clean_error, converted_default_model, json_lines, run
 
 QUESTION = 'What does the word "Licensor" mean in this license?'
 
@@ -53,7 +53,7 @@ def test_converted_folder_matches_gguf_logits(default_lm):
 
 def test_gguf_path_and_converted_folder_answer_identically(sample_cache, session_home):
     gguf = models.default_gguf_path()
-    folder = next((session_home / "models").glob("gguf-*"))
+    folder = converted_default_model(session_home)
     answers = []
     for model in (str(gguf), str(folder)):
         result = run("ask", "--cache", sample_cache, "--model", model, QUESTION, "--json", "--max-new-tokens", "24")

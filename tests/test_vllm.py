@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SAMPLES
+from tests.helpers import converted_default_model
 
 VLLM_PYTHON = os.environ.get("KVCLI_VLLM_PYTHON")
 pytestmark = [
@@ -87,7 +88,7 @@ def corpus(tmp_path_factory, session_home):
     r = _kvcli("prefill", "--from-list", str(listing), "-o", str(caches), "--quiet", "--json", home=session_home)
     assert r.returncode == 0, r.stderr
     # the default model's converted folder: what vLLM serves
-    model = next((session_home / "models").glob("gguf-*/config.json")).parent
+    model = converted_default_model(session_home)
     # another model with the same tokenizer: one weight changed a little (a "fine-tune")
     other = root / "other-model"
     shutil.copytree(model, other)
