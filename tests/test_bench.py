@@ -8,6 +8,7 @@ import math
 import pytest
 
 from kvcli import bench
+from kvcli.bench import dtypes  # noqa: F401  (bench.dtypes.COMPARED)
 from kvcli.documents import decode
 from kvcli.engine.prefilling import ANSWER_ROOM
 from kvcli.errors import UsageError
@@ -137,3 +138,30 @@ def test_bench_kv_bits_reports_size_restore_ttft_and_agreement_per_format(tiny_l
     console.print(bench.render(result))
     text = console.export_text()
     assert "8-bit: on disk" in text and "top-1 (teacher-forced)" in text and "same whole answers" in text
+
+
+def test_bench_compares_dtypes_length_by_length():
+    def result(dtype, *times):
+        keys = [k for k, _ in bench.dtypes.COMPARED]
+        return {"dtype": dtype, "sizes": [{"tokens": n, **dict(zip(keys, t))} for n, t in times]}
+
+    base = result("float32", (1024, (4.0, 0.2, 80.0, 30.0)), (2048, (9.0, 0.4, 90.0, 35.0)))
+    other = result("bfloat16", (1024, (2.0, 0.1, 120.0, 30.0)))  # measured at one length only
+    (row,) = bench.compare([base, other])
+    assert row["tokens"] == 1024 and row["dtype"] == "bfloat16" and row["against"] == "float32"
+    assert row["ratios"] == {"kvcli_prefill_s": 0.5, "ttft_cached_s": 0.5, "decode_ms_per_token": 1.5, "batch_ms_per_row_token": 1.0}
+    (line,) = bench.verdicts([row])
+    assert line == ("bfloat16 against float32 at 1,024 tokens: prefill 0.50x, TTFT with cache 0.50x, decode, 1 question 1.50x, "
+                    "decode, batched 1.00x (faster for prefill, TTFT with cache; slower for decode, 1 question, decode, batched)")
+
+
+def test_bench_dtype_twice_measures_both_and_says_which_is_faster(tiny_model_dir):
+    result = run("bench", SAMPLES / "document.txt", "--tokens", "96", "--model", tiny_model_dir, "--questions", "1",
+                 "--answer-tokens", "2", "--decode-tokens", "2", "--dtype", "float32", "--dtype", "bfloat16", "--json")
+    assert result.exit_code == 0, result.stderr
+    body = json.loads(result.stdout)
+    assert [r["dtype"] for r in body["runs"]] == ["float32", "bfloat16"]
+    (row,) = body["dtype_comparison"]
+    assert row["dtype"] == "bfloat16" and row["against"] == "float32" and all(v > 0 for v in row["ratios"].values())
+    assert "bfloat16 against float32 at " in result.stderr
+    assert_clean_error(run("bench", SAMPLES / "document.txt", "--dtype", "float32", "--dtype", "float32"), 2, "each dtype once")

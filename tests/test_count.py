@@ -430,3 +430,22 @@ def test_missing_model_path_is_not_a_hub_id(cache, tmp_path, spec, monkeypatch):
     spec = str(tmp_path / "nope") if spec == "ABSOLUTE" else spec
     line = assert_clean_error(run("prefill", cache.with_suffix(".txt"), "-o", tmp_path / "x.kv", "--model", spec), 1, spec, "no such model folder")
     assert "hub" not in line and not (tmp_path / "x.kv").exists()
+
+
+def test_count_says_which_dtype_prefills_faster_where_the_cpu_has_native_bfloat16(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("KVCLI_HOME", str(tmp_path / "home"))
+    doc = tmp_path / "d.txt"
+    doc.write_text(sample_text()[:2500], encoding="utf-8")
+    source = {"kind": "folder", "path": str(tiny_model_dir.resolve())}
+    monkeypatch.setattr(throughput, "native_bfloat16", lambda: None)
+    assert "bfloat16" not in run("count", doc, "--model", tiny_model_dir).stderr  # no native bfloat16: nothing to advise
+    monkeypatch.setattr(throughput, "native_bfloat16", lambda: "avx512_bf16")
+    hint = run("count", doc, "--model", tiny_model_dir)
+    assert hint.exit_code == 0 and "natively (avx512_bf16)" in hint.stderr and "--dtype float32 --dtype bfloat16" in hint.stderr
+    for _ in range(3):
+        throughput.record(source, "float32", "cpu", 2000, 4.0)
+        throughput.record(source, "bfloat16", "cpu", 2000, 2.0)
+    for dtype, words in (("float32", "bfloat16 prefills 2.00x as fast as float32"), ("bfloat16", "bfloat16 prefills 2.00x as fast as float32")):
+        told = run("count", doc, "--model", tiny_model_dir, "--dtype", dtype)
+        assert told.exit_code == 0 and words in told.stderr and "6 recorded prefills" in told.stderr, told.stderr
+        assert json_lines(run("count", doc, "--model", tiny_model_dir, "--dtype", dtype, "--json").stdout)[0]["dtype"] == dtype  # never switched

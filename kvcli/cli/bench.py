@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, get_args
 
 import typer
 
@@ -11,7 +11,7 @@ from ..errors import UsageError
 from .output import Output
 from .app import command
 from .common import gather_questions
-from .options import DeviceOpt, DtypeOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, WeightsOpt
+from .options import DeviceOpt, Dtype, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, WeightsOpt
 
 
 @command
@@ -27,7 +27,7 @@ def bench(
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     device: DeviceOpt = "auto",
-    dtype: DtypeOpt = "auto",
+    dtype: Annotated[list[str], typer.Option(metavar="[auto|float32|bfloat16|float16]", help="Compute dtype (auto: float32 on CPU, the model's own on an accelerator). Repeat it to measure each in turn and compare them.")] = ["auto"],  # noqa: B006
     weights: WeightsOpt = "float",
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -46,15 +46,38 @@ def bench(
         pool += gather_questions([], str(f))
     for bits in kv_bits:  # before the model loads
         mf.check_kv_bits(bits)
-    with out.status("loading model"):
-        lm = models.load(model, revision=revision, device=device, dtype=dtype, progress=out.note, weights=weights)
-    result = bn.run(lm, document, tokens=lengths, questions=questions, progress=out.note, answer_tokens=answer_tokens,
-                    decode_tokens=decode_tokens, kv_bits=kv_bits, question_list=pool or None, agreement_tokens=agreement_tokens)
+    if bad := [d for d in dtype if d not in get_args(Dtype)]:
+        raise UsageError(f"--dtype {bad[0]!r}: choose {', '.join(get_args(Dtype))}")
+    if len(set(dtype)) < len(dtype):
+        raise UsageError("--dtype: each dtype once")
+    results = []
+    for name in dtype:  # one model at a time: two float copies need not fit together
+        with out.status("loading model"):
+            lm = models.load(model, revision=revision, device=device, dtype=name, progress=out.note, weights=weights)
+        results.append(bn.run(lm, document, tokens=lengths, questions=questions, progress=out.note, answer_tokens=answer_tokens,
+                              decode_tokens=decode_tokens, kv_bits=kv_bits, question_list=pool or None,
+                              agreement_tokens=agreement_tokens))
+        del lm
+    compared = bn.compare(results)
     if json_out:
-        out.json_doc(result)
+        out.json_doc(results[0] if len(results) == 1 else {"runs": results, "dtype_comparison": compared})
     else:
-        out.table(bn.render(result))
+        for result in results:
+            out.table(bn.render(result))
+    for line in bn.verdicts(compared):
+        out.note(line)
+    if len(results) == 1 and (hint := _dtype_hint(results[0])):
+        out.note(hint)
     return 0
+
+
+def _dtype_hint(result: dict) -> str | None:
+    """How to measure bfloat16 against float32, on a CPU that computes bfloat16 natively."""
+    from ..engine import throughput
+
+    if result["device"] != "cpu" or result["dtype"] not in ("float32", "bfloat16") or not (flag := throughput.native_bfloat16()):
+        return None
+    return f"this CPU computes bfloat16 natively ({flag}): `--dtype float32 --dtype bfloat16` measures both and says which is faster here"
 
 
 def _lengths(values: list[str]) -> list[int] | str | None:

@@ -56,6 +56,8 @@ def count(
     times = (f"prefill time: no estimate yet ({withheld})" if withheld else
              f"prefill time from {counts[0].prefill_s_basis}" if counts else "")
     out.note(f"{counter.dtype}, {limit}; read {counter.loaded}; estimates: on-disk size from measured ratios, {times}")
+    if counter.dtype_advice:
+        out.note(counter.dtype_advice)
     too_long = [c.document for c in counts if not c.fits]
     if too_long:
         out.error(f"{', '.join(too_long)}: too long for the model (prefill would refuse it)")

@@ -72,6 +72,8 @@ class Counter:
         self.params = _parameter_count(self.config, source)
         devices = ["cuda", "mps", "cpu"] if _maybe_accelerator() else ["cpu"]
         self.records = next((r for d in devices if (r := throughput.records(source, self.dtype, d))), [])
+        on_cpu = not _maybe_accelerator() or models.pick_device("auto") == "cpu"
+        self.dtype_advice = throughput.dtype_advice(source, self.dtype) if on_cpu else None
 
     def tokens(self, document: Document) -> int:
         """The framed document's ids, as prefill would cache them."""

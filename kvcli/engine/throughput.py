@@ -73,6 +73,40 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu, "cpus": os.cpu_count(), "omp_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # x86 CPU flags of native bfloat16 arithmetic
+
+
+def native_bfloat16() -> str | None:
+    """The CPU flag that says this machine computes bfloat16 natively (x86 Linux), or None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
+    except OSError:
+        pass
+    return None
+
+
+def dtype_advice(source: dict[str, Any], dtype: str, device: str = "cpu") -> str | None:
+    """Which of float32 and bfloat16 prefills faster here, from this machine's records of both, or how to find
+    out; None where the CPU has no native bfloat16. Advice only: a cache's dtype is part of its identity."""
+    if device != "cpu" or dtype not in ("float32", "bfloat16") or not (flag := native_bfloat16()):
+        return None
+    other = "bfloat16" if dtype == "float32" else "float32"
+    mine, theirs = records(source, dtype, device), records(source, other, device)
+    if not mine or not theirs:
+        return (f"this CPU computes bfloat16 natively ({flag}); `kvcli bench DOC --dtype float32 --dtype bfloat16` "
+                "measures which dtype is faster here")
+    n = int(statistics.median([r["tokens"] for r in mine + theirs]))
+    a, b = estimate(n, mine).seconds, estimate(n, theirs).seconds
+    if not a or not b:
+        return None
+    faster, ratio = (dtype, b / a) if a <= b else (other, a / b)
+    return (f"on this machine {faster} prefills {ratio:.2f}x as fast as {other if faster == dtype else dtype} "
+            f"({len(mine) + len(theirs)} recorded prefills, around {n:,} tokens); `kvcli bench` also times decode")
+
+
 def model_key(source: dict[str, Any]) -> str | None:
     """The model, as both prefill (after loading) and count (before) name it; None for an in-memory model."""
     if source.get("sha256"):  # a GGUF model; its q4 weights prefill at another speed (engine/model/stored.py)
