@@ -5,7 +5,7 @@ A time grows as n * (a + b * n) (per-token work, plus attention over every earli
 lengths that differ enough fit a and b for this machine, used for lengths around them; otherwise the records
 nearest in length set the scale of the reference curve (the median of measured / curve). The records' largest
 miss of the estimator is its error (from 3 records on). Without records the curve alone is used, scaled by parameter
-count from the 135M default model on this project's 2-core CPU. An estimate is stated only when its error is known
+count from the 135M default model on a 2-core CPU. An estimate is stated only when its error is known
 and within MAX_ERROR; otherwise `withheld` says why not.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 from ..format.identity import sha256_json
 from ..home import kvcli_home, remember
 
-# The curve's shape, fitted to the README's recompute times of the 135M default model on this project's 2-core
-# CPU (1,024 tokens: 1.73 s; 4,096: 9.94 s), and that model's parameters (the scale for other models).
+# The curve's shape, fitted to the 135M default model's recompute times on a 2-core CPU (`kvcli bench
+# samples/document.txt --tokens 1024 --tokens 4096`), and that model's parameters (the scale for other models).
 A, B, REF_PARAMS = 1.44e-3, 2.4e-7, 134.5e6
 MIN_TOKENS = 256  # shorter prefills are mostly fixed costs: not recorded
 KEEP = 32  # records kept per model, dtype, device and machine

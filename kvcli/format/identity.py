@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-WEIGHTS_SCHEME = "every-element-bf16"  # what weights_sha256 covers (0.2 hashed 1,024 samples per tensor: no scheme)
+WEIGHTS_SCHEME = "every-element-bf16"  # what weights_sha256 covers (a cache without a scheme hashed samples of each tensor)
 VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or_path", "_commit_hash", "dtype",
                         "torch_dtype", "use_cache"}
 _CHUNK = 1 << 24  # elements hashed at a time (bounded extra memory: 32 MiB as bfloat16)

@@ -23,7 +23,7 @@ def check_fits(manifest: mf.Manifest, lm: LoadedModel, where: str, *, convert_dt
     """Refuse (CacheMismatchError) a cache built with another model, tokenizer, template, dtype or layout."""
     have, want = lm.fingerprint, manifest.model
     diffs = [label for key, label in _CHECKED if have.get(key) != want.get(key)]
-    if want.get("weights_scheme") != have.get("weights_scheme") and "weights" in diffs:  # 0.2 sampled the weights
+    if want.get("weights_scheme") != have.get("weights_scheme") and "weights" in diffs:  # an older scheme sampled the weights
         diffs[diffs.index("weights")] = "weights fingerprint (the cache's covers only samples of the weights: rebuild it)"
     if manifest.framing.get("kind") == "chat":
         template = have.get("chat_template_sha256")

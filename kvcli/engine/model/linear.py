@@ -1,17 +1,17 @@
 """Linear layers of a decoding step: weight-first for a few float32 rows, split across two cores for one.
 
 Weight-first: W [out, in] @ x^T, for a few float32 rows.
-torch's `linear` of a few rows (x @ W^T) ran 1.5-2.5x slower than the same product with the weight as the
-left operand on this project's AVX2 CPU through MKL (8 rows of SmolLM2's 30 layers: 110-116 against 62-75 ms,
-its output layer 47 against 19 ms; docs/performance.md, "Batched steps"). Only the batch's forward passes
+torch's `linear` of a few rows (x @ W^T) can run well below the same product with the weight as the left
+operand through MKL on AVX2 CPUs (tests/bench/bench_decode.py measures both; docs/performance.md, "Batched
+steps"). Only the batch's forward passes
 (engine/decoding/batch.py) run inside weight_first(): one question's forward keeps torch's own kernel, which
 gives every row the bits a recompute gives it, while batched rows are held to float32's rounding anyway
 (engine/scheduling/probe.py).
 
 Split rows: torch's `linear` of one float32 row (MKL's sgemv) runs on one core whatever the thread count on
-some CPUs (AMD EPYC here); on others (Intel Xeon here) MKL threads it itself, and split_rows_helps says no.
+some CPUs (AMD EPYC, for one); on others (Intel Xeon, for one) MKL threads it itself, and split_rows_helps says no.
 Each output element is one dot product, computed the same way in blocks of rows that start at a multiple
-of a few rows (MKL's kernel takes 4 at a time here; blocks of 1 or 11 rows give other bits), so within
+of a few rows (MKL's kernel takes 4 at a time; blocks of 1 or 11 rows give other bits), so within
 split_rows() a one-row product runs as `mm` on blocks of ROWS-aligned rows of the weight, taken in turn by
 the calling thread and one helper thread (torch releases the GIL inside the kernel). The first product of
 each shape is also computed whole and compared: a kernel that gives other bits split leaves that shape
@@ -219,7 +219,7 @@ def _in_helper(job, timeout: float) -> None:
 def _one_row_stays_on_one_core() -> bool:
     """Whether a one-row product in the helper thread runs there alone. Where torch's kernel threads it (MKL does
     on some CPUs), the helper's own OpenMP pool beside the engine's is one pool too many: every worker then sleeps
-    between parallel regions and a step took 2.3x as long (docs/performance.md). The helper's first product is
+    between parallel regions, which slows a step severalfold (tests/bench/bench_handoff.py). The helper's first product is
     watched: new threads in the process mean a pool, which is given back, and no product is split."""
     global _one_core
     with _helper_lock:

@@ -7,8 +7,8 @@ from typing import Any
 
 def page_in(model: Any) -> None:
     """Read every CPU weight once. Weights read from safetensors are mapped from the file, and the first forward
-    pass would otherwise fault them in page by page (default model: about 100 ms of its first question; this
-    read costs 44-67 ms)."""
+    pass would otherwise fault them in page by page, costing the first question more than this one read
+    (tests/bench/bench_coldstart.py measures both)."""
     import torch
 
     seen: set[int] = set()

@@ -71,8 +71,8 @@ class Bf16Linear(torch.nn.Module):
 
     From WIDE rows on (batched questions, a recompute), the same bfloat16 inputs and weights are multiplied in
     float32 instead, through a float32 copy of the weights made on first use: bfloat16 products of several
-    rows ran row by row on an AVX2 CPU (SmolLM2's output layer, 8 rows: 31 ms in bfloat16, 19 ms this way;
-    one row: 5.6 and 19 ms). The products of bfloat16 values are exact in float32, and the result is rounded to
+    rows run row by row on AVX2 CPUs, slower than this for several rows and faster for one
+    (tests/bench/bench_weights.py). The products of bfloat16 values are exact in float32, and the result is rounded to
     bfloat16 as the bfloat16 kernel's is, so only the order of the sums differs (a rare last-bit change)."""
 
     WIDE = 4

@@ -4,9 +4,8 @@ OpenMP runtimes keep a pool of worker threads for every thread that has run a pa
 kernels, MKL). libgomp (torch's on Linux) spins idle workers between regions only while the pools hold
 no more threads than there are CPUs; one pool more (the asker's, beside the engine thread's) and every
 worker sleeps between regions, so each of a decoding step's ~1,000 small parallel kernels pays a
-wake-up. Measured here (2 cores, tests/bench/bench_handoff.py, medians of 5): q4 decoding in the engine thread
-took 107.9 ms a token with the asking thread's pool alive, 79.3 once it was given back, 76.3 in the main
-thread alone. So the engine thread gives back its pool before it waits (idle, or while another thread
+wake-up, which slows a decoding step by a third or more (tests/bench/bench_handoff.py measures it). So the
+engine thread gives back its pool before it waits (idle, or while another thread
 takes a turn), and an asker gives back its own once its questions are with the engine
 (engine/scheduling/scheduler.py), through OpenMP 5.0's omp_pause_resource_all (soft): the next parallel
 region in that thread builds a fresh pool. Without libgomp loaded (another OpenMP runtime, or none) it
