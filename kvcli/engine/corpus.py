@@ -238,8 +238,6 @@ def run(
     framing prefill caches, so a too-long document is refused before any load and tokenized once. upfront: every
     document is read, its target checked and its fit measured before the model loads (a refusal costs no load).
     progress(index, done, total) per chunk; cancelled(): the asker left (engine's Left is raised)."""
-    from .scheduling.scheduler import Left, Stopped
-
     jobs = list(jobs)
     options = dict(system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK, kv_bits=kv_bits)
     opener = model if callable(model) and not isinstance(model, LoadedModel) else (lambda: nullcontext(Lent(model)))
@@ -287,7 +285,11 @@ def run(
                 return failed(exc, f"{job.document}: unexpected {exc.__class__.__name__}: {exc}")
 
         def build(job: Job, i: int, document: Document, split: Any, before: float) -> DocResult:
+            from .scheduling.scheduler import Left, Stopped  # imports torch: only once a document is computed
+
             t0 = time.perf_counter()
+            if cancelled and cancelled():
+                raise Left()
 
             def update(done: int, total: int) -> None:
                 try:
@@ -329,8 +331,6 @@ def run(
             if isinstance(p, DocResult):
                 yield p
                 continue
-            if cancelled and cancelled():
-                raise Left()
             yield build(*p)
 
 
