@@ -52,7 +52,6 @@ class LocalTarget:
     """A cache directory on this machine, written atomically by prefilling.prefill."""
 
     path: Path
-    folder_made: bool = False  # its folder is created before writing (-o DIR for several documents)
 
     @property
     def name(self) -> str:
@@ -257,38 +256,39 @@ def run(
         def lm() -> LoadedModel:
             return once(held, lambda: stack.enter_context(opener())).lm
 
-        def prepare(i: int, job: Job) -> DocResult | tuple:
-            t0 = time.perf_counter()
-
-            def failed(exc: BaseException, message: str) -> DocResult:
-                return DocResult(job.document, job.target.name, "failed", seconds=time.perf_counter() - t0, error=message, index=i, exc=exc)
-
-            if job.error:
-                return failed(UsageError(job.error), job.error)
+        def guarded(job: Job, i: int, t0: float, step: Callable[[], Any]) -> Any:
+            """step(), or the document's failed result: one document's failure, foreseen or not, never stops the rest."""
             try:
-                document = read(job.document)
-                if incremental and not force:
-                    current = job.target.current()
-                    if current is not None and up_to_date(current, lm(), document, _asked(lm(), framing, system), kv_bits):
-                        return _done(job, i, "skipped", current, t0)
-                elif not incremental:
-                    _claim(job.target, force, stack)
-                split = once(fits, fit)(document) if fit is not None else None  # fit before any weights load
-                return job, i, document, split, time.perf_counter() - t0
+                return step()
             except _Abort as stop:
                 raise stop.exc from None
             except KvcliError as exc:
-                return failed(exc, str(exc))
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except Exception as exc:  # one document's unforeseen failure must not stop the rest
-                return failed(exc, f"{job.document}: unexpected {exc.__class__.__name__}: {exc}")
+                failure, error = exc, str(exc)
+            except Exception as exc:
+                from .scheduling.scheduler import Left, Stopped
 
-        def build(job: Job, i: int, document: Document, split: Any, before: float) -> DocResult:
-            from .scheduling.scheduler import Left, Stopped  # imports torch: only once a document is computed
+                if isinstance(exc, (Left, Stopped)):  # the asker left, the engine closed: the run ends
+                    raise
+                failure, error = exc, f"{job.document}: unexpected {exc.__class__.__name__}: {exc}"
+            return DocResult(job.document, job.target.name, "failed", seconds=time.perf_counter() - t0, error=error, index=i, exc=failure)
 
-            t0 = time.perf_counter()
+        def prepare(i: int, job: Job) -> tuple[Any, ...]:
+            """The job read, checked and measured: (job, i, t0, document, split), or its DocResult (skipped, failed)."""
+            if job.error:
+                raise UsageError(job.error)
+            t0, document = time.perf_counter(), read(job.document)
+            if incremental and not force:
+                current = job.target.current()
+                if current is not None and up_to_date(current, lm(), document, _asked(lm(), framing, system), kv_bits):
+                    return _done(job, i, "skipped", current, t0)
+            elif not incremental:
+                _claim(job.target, force, stack)
+            return job, i, t0, document, once(fits, fit)(document) if fit is not None else None  # fit before any weights load
+
+        def build(job: Job, i: int, t0: float, document: Document, split: Any) -> DocResult:
             if cancelled and cancelled():
+                from .scheduling.scheduler import Left
+
                 raise Left()
 
             def update(done: int, total: int) -> None:
@@ -299,27 +299,20 @@ def run(
 
             replace = force or incremental  # a list run replaces a stale or broken cache (never a folder that is no cache)
             try:
-                try:
-                    r = job.target.write(lm(), document, force=replace, split=split, progress=update if progress else None, **options)
-                except CacheExistsError:
-                    now = job.target.current()  # written meanwhile by another process
-                    if incremental and now is not None and up_to_date(now, lm(), document, _asked(lm(), framing, system), kv_bits):
-                        return _done(job, i, "skipped", now, t0 - before)
-                    raise
-            except _Abort as stop:
-                raise stop.exc from None
-            except (KeyboardInterrupt, SystemExit, Left, Stopped):
+                r = job.target.write(lm(), document, force=replace, split=split, progress=update if progress else None, **options)
+            except CacheExistsError:
+                now = job.target.current()  # written meanwhile by another process
+                if incremental and now is not None and up_to_date(now, lm(), document, _asked(lm(), framing, system), kv_bits):
+                    return _done(job, i, "skipped", now, t0)
                 raise
-            except KvcliError as exc:
-                return DocResult(job.document, job.target.name, "failed", seconds=before + time.perf_counter() - t0, error=str(exc), index=i, exc=exc)
-            except Exception as exc:
-                return DocResult(job.document, job.target.name, "failed", seconds=before + time.perf_counter() - t0,
-                                 error=f"{job.document}: unexpected {exc.__class__.__name__}: {exc}", index=i, exc=exc)
             held[0].served()
-            return _done(job, i, "built", r.manifest, t0 - before, r.compute_s, r.write_s)
+            return _done(job, i, "built", r.manifest, t0, r.compute_s, r.write_s)
 
-        prepared = (prepare(i, job) for i, job in enumerate(jobs))
-        if upfront:
+        def begun(i: int, job: Job) -> Any:
+            return guarded(job, i, time.perf_counter(), lambda: prepare(i, job))
+
+        prepared = (begun(i, job) for i, job in enumerate(jobs))
+        if upfront:  # every refusal before the model loads
             ready = []
             for p in prepared:
                 if isinstance(p, DocResult):
@@ -328,10 +321,7 @@ def run(
                     ready.append(p)
             prepared = iter(ready)
         for p in prepared:
-            if isinstance(p, DocResult):
-                yield p
-                continue
-            yield build(*p)
+            yield p if isinstance(p, DocResult) else guarded(p[0], p[1], p[2], lambda p=p: build(*p))
 
 
 def _asked(lm: LoadedModel, framing: str, system: str | None) -> dict[str, Any]:
@@ -343,7 +333,7 @@ def _claim(target: Target, force: bool, stack: ExitStack) -> None:
     """A new cache may be written there: an existing one only with force; a local one is locked to the run's end
     (a second prefill of it is refused at once)."""
     if isinstance(target, LocalTarget):
-        writing.check_target(target.path, force=force, folder_made=target.folder_made)
+        writing.check_target(target.path, force=force)
         stack.enter_context(writing.writer_lock(target.path))
     elif not force and target.current() is not None:
         raise CacheExistsError(f"{target.name}: already exists (use --force to replace it)")
