@@ -95,7 +95,7 @@ def _run(out: Output, jobs: list, targets: list[tuple[str, str]], load: dict, op
 
         with out.status("loading model"):
             lm = models.load(**load, progress=out.note)
-        yield corpus.Lent(lm)
+        yield corpus.lent(lm)
 
     render = PrefillRenderer(out, targets, json_out=json_out, listed=listed, label=label)
     try:

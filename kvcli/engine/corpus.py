@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol, TypeVar
 
 from ..documents import Document
@@ -193,14 +194,9 @@ def up_to_date(m: mf.Manifest, lm: LoadedModel, document: Document, framing: dic
     return all(m.framing.get(k) == framing.get(k) for k in FRAMING_KEYS)
 
 
-class Lent:
-    """A model the caller loaded, lent to run() as a warm server lends its own (engine/../serve/warm.HeldModel)."""
-
-    def __init__(self, lm: LoadedModel):
-        self.lm = lm
-
-    def served(self) -> None:
-        pass
+def lent(lm: LoadedModel) -> Any:
+    """A model the caller loaded, lent to run() as a warm server lends its own (serve/warm.HeldModel)."""
+    return SimpleNamespace(lm=lm, served=lambda: None)
 
 
 class _Abort(Exception):
@@ -239,7 +235,7 @@ def run(
     progress(index, done, total) per chunk; cancelled(): the asker left (engine's Left is raised)."""
     jobs = list(jobs)
     options = dict(system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK, kv_bits=kv_bits)
-    opener = model if callable(model) and not isinstance(model, LoadedModel) else (lambda: nullcontext(Lent(model)))
+    opener = model if callable(model) and not isinstance(model, LoadedModel) else (lambda: nullcontext(lent(model)))
     with ExitStack() as stack:
         held: list[Any] = []
         fits: list[Any] = []
@@ -276,13 +272,14 @@ def run(
             """The job read, checked and measured: (job, i, t0, document, split), or its DocResult (skipped, failed)."""
             if job.error:
                 raise UsageError(job.error)
-            t0, document = time.perf_counter(), read(job.document)
+            t0 = time.perf_counter()
+            if not incremental:
+                _claim(job.target, force, stack)
+            document = read(job.document)
             if incremental and not force:
                 current = job.target.current()
                 if current is not None and up_to_date(current, lm(), document, _asked(lm(), framing, system), kv_bits):
                     return _done(job, i, "skipped", current, t0)
-            elif not incremental:
-                _claim(job.target, force, stack)
             return job, i, t0, document, once(fits, fit)(document) if fit is not None else None  # fit before any weights load
 
         def build(job: Job, i: int, t0: float, document: Document, split: Any) -> DocResult:
