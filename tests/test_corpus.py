@@ -294,3 +294,37 @@ def test_from_list_creates_the_output_folder_under_concurrent_tasks(tiny_model_d
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert_clean_error(run("prefill", "--from-list", listing, "-o", afile, "--model", tiny_model_dir), 2, "afile", "folder")
+
+
+# ---- the driver itself
+
+
+def test_the_driver_isolates_failures_but_an_asker_leaving_ends_the_run(docs, tiny_lm, tmp_path):
+    """engine.corpus.run as plain prefill runs it: every document checked first, the model opened only when one is
+    built, a failure a record (its error kept to raise), and an exception from the caller's progress callback
+    ending the run instead of failing one document."""
+    opened = []
+
+    def model():
+        from contextlib import nullcontext
+
+        opened.append(1)
+        return nullcontext(corpus.lent(tiny_lm))
+
+    jobs = [corpus.Job(str(tmp_path / "missing.txt"), corpus.LocalTarget(tmp_path / "missing.kv")),
+            corpus.Job(str(docs[0]), corpus.LocalTarget(tmp_path / "d0.kv"))]
+    records = list(corpus.run(model, jobs, read=documents.read, incremental=False, upfront=True, chunk_size=64))
+    assert [(r.index, r.status) for r in records] == [(0, "failed"), (1, "built")] and opened == [1]
+    assert "no such file" in records[0].error and isinstance(records[0].exc, Exception)
+    assert set(records[1].to_json()) == RECORD and records[1].num_tokens == store.verify(tmp_path / "d0.kv").num_tokens
+
+    class Gone(Exception):
+        pass
+
+    def leave(*_):
+        raise Gone()
+
+    with pytest.raises(Gone):
+        list(corpus.run(model, [corpus.Job(str(docs[1]), corpus.LocalTarget(tmp_path / "d1.kv"))], read=documents.read,
+                        incremental=False, progress=leave))
+    assert not (tmp_path / "d1.kv").exists() and list(tmp_path.glob(".*")) == []  # nothing left, no lock
