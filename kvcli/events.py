@@ -12,7 +12,7 @@ answer {index, answer}; check {index, message}.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, closing
 from typing import Any
 
 from .errors import CHECK_DIFFERS_EXIT, KvcliError
@@ -84,68 +84,24 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
     return CHECK_DIFFERS_EXIT if differs else 0
 
 
-def prefill_events(targets: Sequence[tuple[str, str]], *, open_model: Callable[[], AbstractContextManager], emit: Emit,
-                   read: Callable[[str], Any], check: Callable[[str], None], cancelled: Callable[[], bool] | None = None,
-                   fits: Callable[[], Callable[[Any], Any]] | None = None, **prefill_options: Any) -> int:
-    """Prefill every (document, cache) pair with the model `open_model()` lends (something with `.lm` and
-    `.served()`), emitting events; returns the exit code. Every target is checked and every document read
-    (and, with `fits`, measured against the model's positions: fits() returns the check, from the tokenizer
-    and config alone, which returns the document's ids and framing for prefill) before the model loads, so a
-    refusal costs no load and the document is tokenized once; the only pair failing raises. Raises
-    engine's Left once cancelled() says the asker is gone. prefill_options: engine.prefilling.prefill's
-    (system, framing, chunk_size, force, kv_bits)."""
-    failed: list[KvcliError] = []
+def prefill_events(jobs: Sequence[Any], *, emit: Emit, raise_single: bool = True, **run_options: Any) -> int:
+    """Prefill every job (engine.corpus.Job) through the one driver (engine.corpus.run, run_options its options),
+    emitting events; returns the exit code (1 if any document failed). Events: progress {index, done, total};
+    prefilled {index, record: DocResult.to_json(), message and hint for a failure}. With raise_single, the only
+    job failing raises its error instead (a plain `prefill DOC`)."""
+    from .engine import corpus
 
-    def report(exc: KvcliError) -> None:
-        if len(targets) == 1:
-            raise exc
-        emit({"event": "error", "message": str(exc), "hint": exc.hint, "exit_code": exc.exit_code})
-        failed.append(exc)
-
-    from .format import writing
-
-    with ExitStack() as locks:
-        ready = []
-        for index, (doc, target) in enumerate(targets):
-            try:
-                check(target)
-                locks.enter_context(writing.writer_lock(target))  # held to the end: a second prefill of it is refused now
-                ready.append((index, read(doc), target, None))
-            except KvcliError as exc:
-                report(exc)
-        if ready and fits is not None:
-            fit = fits()  # a model that cannot be found or cached fails here, before any weights load
-            kept = []
-            for index, document, target, _split in ready:
-                try:
-                    kept.append((index, document, target, fit(document)))  # its ids and framing: prefill tokenizes it no more
-                except KvcliError as exc:
-                    report(exc)
-            ready = kept
-        if ready:
-            from .engine import prefilling as pf
-
-            prefill_options["chunk_size"] = prefill_options.get("chunk_size") or pf.DEFAULT_CHUNK
-            with open_model() as held:
-                for index, document, target, split in ready:
-                    if cancelled and cancelled():
-                        from .engine.scheduling.scheduler import Left
-
-                        raise Left()
-                    emit({"event": "begin", "index": index})
-                    try:  # its chunks take turns with the answers running on this model (engine/scheduling/scheduler.py)
-                        r = pf.prefill(held.lm, document, target, **prefill_options, split=split,
-                                       progress=lambda done, total, i=index: emit({"event": "progress", "index": i, "done": done,
-                                                                                   "total": total}))
-                    except KvcliError as exc:
-                        report(exc)
-                        continue
-                    held.served()
-                    m = r.manifest
-                    emit({"event": "prefilled", "index": index, "result": {
-                        "num_tokens": m.num_tokens, "compute_s": r.compute_s, "write_s": r.write_s,
-                        "bytes_raw": m.bytes_raw, "bytes_on_disk": m.bytes_stored, "storage": m.storage}})
-    if failed:
-        emit({"event": "error", "message": f"{len(failed)} of {len(targets)} documents failed", "hint": None, "exit_code": 1})
-        return 1
-    return 0
+    failed = 0
+    records = corpus.run(jobs=jobs, progress=lambda i, done, total: emit({"event": "progress", "index": i, "done": done, "total": total}),
+                         **run_options)
+    with closing(records):  # a raise here releases the run's locks and model at once
+        for r in records:
+            if r.status == "failed":
+                if raise_single and len(jobs) == 1 and r.exc is not None:
+                    raise r.exc
+                failed += 1
+            ev = {"event": "prefilled", "index": r.index, "record": r.to_json()}
+            if r.status == "failed":
+                ev.update(message=r.error, hint=getattr(r.exc, "hint", None))
+            emit(ev)
+    return 1 if failed else 0

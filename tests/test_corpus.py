@@ -31,6 +31,11 @@ def docs(tmp_path_factory) -> list[Path]:
     return paths
 
 
+# the one record every prefill reports (docs/scripting.md)
+RECORD = {"document", "cache", "status", "num_tokens", "compute_s", "write_s", "bytes_raw", "bytes_on_disk", "storage", "seconds",
+          "error", "served"}
+
+
 def write_list(path: Path, entries: list) -> Path:
     path.write_text("# a corpus\n\n" + "\n".join(str(e) for e in entries) + "\n", encoding="utf-8")
     return path
@@ -100,8 +105,8 @@ def test_list_builds_then_skips_without_reading_shards(docs, tiny_model_dir, tmp
     assert first.exit_code == 0, first.stderr
     rows = json_lines(first.stdout)
     assert [r["status"] for r in rows] == ["built"] * 4
-    assert set(rows[0]) == {"document", "cache", "status", "tokens", "seconds"}
-    assert all(r["tokens"] > 0 and r["seconds"] >= 0 for r in rows)
+    assert set(rows[0]) == RECORD
+    assert all(r["num_tokens"] > 0 and r["seconds"] >= r["compute_s"] > 0 and r["error"] is None and r["served"] is False for r in rows)
     for r in rows:
         assert store.verify(r["cache"]).document["sha256"]
 
@@ -112,7 +117,9 @@ def test_list_builds_then_skips_without_reading_shards(docs, tiny_model_dir, tmp
     again = prefill_list(listing, out, tiny_model_dir)
     assert again.exit_code == 0, again.stderr
     assert [r["status"] for r in json_lines(again.stdout)] == ["skipped"] * 4
-    assert [r["tokens"] for r in json_lines(again.stdout)] == [r["tokens"] for r in rows]
+    skipped = json_lines(again.stdout)
+    assert [r["num_tokens"] for r in skipped] == [r["num_tokens"] for r in rows] and {r["compute_s"] for r in skipped} == {0}
+    assert [r["bytes_on_disk"] for r in skipped] == [r["bytes_on_disk"] for r in rows]
     monkeypatch.undo()
 
     docs[1].write_text(docs[1].read_text(encoding="utf-8") + "\nA new clause.", encoding="utf-8")  # document changed
@@ -287,3 +294,37 @@ def test_from_list_creates_the_output_folder_under_concurrent_tasks(tiny_model_d
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert_clean_error(run("prefill", "--from-list", listing, "-o", afile, "--model", tiny_model_dir), 2, "afile", "folder")
+
+
+# ---- the driver itself
+
+
+def test_the_driver_isolates_failures_but_an_asker_leaving_ends_the_run(docs, tiny_lm, tmp_path):
+    """engine.corpus.run as plain prefill runs it: every document checked first, the model opened only when one is
+    built, a failure a record (its error kept to raise), and an exception from the caller's progress callback
+    ending the run instead of failing one document."""
+    opened = []
+
+    def model():
+        from contextlib import nullcontext
+
+        opened.append(1)
+        return nullcontext(corpus.lent(tiny_lm))
+
+    jobs = [corpus.Job(str(tmp_path / "missing.txt"), corpus.LocalTarget(tmp_path / "missing.kv")),
+            corpus.Job(str(docs[0]), corpus.LocalTarget(tmp_path / "d0.kv"))]
+    records = list(corpus.run(model, jobs, read=documents.read, incremental=False, upfront=True, chunk_size=64))
+    assert [(r.index, r.status) for r in records] == [(0, "failed"), (1, "built")] and opened == [1]
+    assert "no such file" in records[0].error and isinstance(records[0].exc, Exception)
+    assert set(records[1].to_json()) == RECORD and records[1].num_tokens == store.verify(tmp_path / "d0.kv").num_tokens
+
+    class Gone(Exception):
+        pass
+
+    def leave(*_):
+        raise Gone()
+
+    with pytest.raises(Gone):
+        list(corpus.run(model, [corpus.Job(str(docs[1]), corpus.LocalTarget(tmp_path / "d1.kv"))], read=documents.read,
+                        incremental=False, progress=leave))
+    assert not (tmp_path / "d1.kv").exists() and list(tmp_path.glob(".*")) == []  # nothing left, no lock

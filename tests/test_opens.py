@@ -132,3 +132,8 @@ def test_a_prefill_tokenizes_its_document_once(world, tiny_model_dir, tmp_path, 
     assert len(splits) == 1
     m = store.read_manifest(tmp_path / "again.kv")
     assert m.token_ids == ids and m.framing == frame.record(lm.tokenizer)
+    listing = tmp_path / "list.txt"  # a list run (the same driver, the model loaded first) tokenizes it once too
+    listing.write_text(f"{world / 'doc.txt'}\n", encoding="utf-8")
+    listed = run("prefill", "--from-list", listing, "-o", tmp_path / "listed", "--model", tiny_model_dir)
+    assert listed.exit_code == 0, listed.stderr
+    assert len(splits) == 2 and store.read_manifest(tmp_path / "listed" / "doc.kv").token_ids == ids

@@ -177,6 +177,36 @@ def test_prefill_through_the_server(here, world):
     assert refused.exit_code == local.exit_code == 1 and refused.stderr == local.stderr
 
 
+def test_every_prefill_path_reports_the_one_record(here, world):
+    """In-process, served and --from-list prefills (one document, several, one failing) report records of the same
+    keys, through the one driver (engine.corpus.run); a failure is a record too, beside its error line."""
+    from tests.test_corpus import RECORD
+
+    model = str(world["model"])
+    (here / "rec").mkdir(exist_ok=True)
+    (here / "rec" / "bad.txt").write_bytes(b"\xff\xfe not utf-8")
+    (here / "list.txt").write_text("a.txt\nb.txt\n", encoding="utf-8")
+    runs = {
+        "served": run("prefill", "a.txt", "-o", "rec/s.kv", "--model", model, "--json", "--force"),
+        "in-process": run("prefill", "a.txt", "-o", "rec/l.kv", "--model", model, "--json", "--force", "--no-server"),
+        "served, several": run("prefill", "a.txt", "rec/bad.txt", "-o", "rec/several", "--model", model, "--json", "--force"),
+        "in-process, several": run("prefill", "a.txt", "rec/bad.txt", "-o", "rec/several-l", "--model", model, "--json", "--force",
+                                   "--no-server"),
+        "list": run("prefill", "--from-list", "list.txt", "-o", "rec/listed", "--model", model, "--json"),
+    }
+    rows = {name: json_lines(r.stdout) for name, r in runs.items()}
+    assert all(set(row) == RECORD for name in rows for row in rows[name]), rows
+    assert [r["served"] for r in rows["served"] + rows["served, several"]] == [True] * 3
+    assert [r["status"] for r in rows["list"]] == ["built", "built"] and rows["list"][0]["served"] is False
+    for name in ("served, several", "in-process, several"):
+        assert runs[name].exit_code == 1 and [(r["document"], r["status"]) for r in rows[name]] == [("rec/bad.txt", "failed"),
+                                                                                                      ("a.txt", "built")]
+        assert "rec/bad.txt" in rows[name][0]["error"] and str(here) not in rows[name][0]["error"]  # spelled as given
+        assert "1 built, 0 skipped, 1 failed of 2 documents" in runs[name].stderr and "1 of 2 documents failed" in runs[name].stderr
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("cache", "served", "seconds", "bytes_on_disk") and not k.endswith("_s")}  # noqa: E731
+    assert strip(rows["served"][0]) == strip(rows["in-process"][0]) == strip(rows["list"][0])  # compressed sizes may differ in bits
+
+
 def test_prefill_kv_bits_through_the_server_equals_in_process(here, world, server):
     """--kv-bits travels to the server: the served 8-bit cache holds the same shards as an in-process one."""
     served = run("prefill", "a.txt", "-o", "q8.kv", "--model", str(world["model"]), "--kv-bits", "8", "--json", "--force")

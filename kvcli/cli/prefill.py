@@ -52,20 +52,19 @@ def prefill(
     mf.check_kv_bits(kv_bits)
     if shard is not None and from_list is None:
         raise UsageError("--shard needs --from-list")
+    options = dict(system=system, framing=framing, chunk_size=chunk_size, force=force, kv_bits=kv_bits)
+    load = dict(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, weights=weights)
     if from_list is not None or is_url(output) or any(is_url(d) for d in docs):
-        return _prefill_corpus(out, docs, from_list, shard, output, model=model, revision=revision, system=system, framing=framing,
-                               chunk_size=chunk_size, dtype=dtype, weights=weights, device=device, encoding=encoding, force=force,
-                               trust_remote_code=trust_remote_code, json_out=json_out, kv_bits=kv_bits)
+        return _prefill_corpus(out, docs, from_list, shard, output, load, options, encoding=encoding, json_out=json_out)
     if not docs:
         raise UsageError("no document given (DOC ..., or --from-list FILE)")
     targets, folder = writing.cache_targets(docs, Path(output) if output is not None else None)
+    if folder is not None:
+        writing.make_folder(folder)  # the writer, here or the server, writes into it
     # a document on stdin is prefilled in-process
     if server is not False and "-" not in docs:
-        fields = {"docs": [[os.path.abspath(d), os.path.abspath(t)] for d, t in targets], "model": served.client_model(model or os.environ.get("KVCLI_MODEL")),
-                  "revision": revision, "system": system, "framing": framing, "chunk_size": chunk_size, "dtype": dtype, "weights": weights,
-                  "device": device, "encoding": encoding, "force": force, "trust_remote_code": trust_remote_code, "kv_bits": kv_bits}
-        if folder is not None:
-            writing.make_folder(folder)  # the server writes into it
+        fields = {"docs": [[os.path.abspath(d), os.path.abspath(t)] for d, t in targets], **load, "model": served.client_model(model or os.environ.get("KVCLI_MODEL")),
+                  "encoding": encoding, **options}
         render = PrefillRenderer(out, targets, json_out=json_out, served=True)
         try:
             code = served.run(out, server, "prefill", fields, [*(d for d, _ in targets), *(str(t) for _, t in targets), model],
@@ -74,28 +73,33 @@ def prefill(
             render.close()
         if code is not None:
             return code
+    from ..engine import corpus
+
+    jobs = [corpus.Job(str(d), corpus.LocalTarget(Path(t))) for d, t in targets]
+    return _run(out, jobs, [(str(d), str(t)) for d, t in targets], load, options, read=lambda doc: documents.read(doc, encoding),
+                json_out=json_out, incremental=False, upfront=True,
+                fit=lambda: _fit_check(out, model, revision, framing, system, trust_remote_code))
+
+
+def _run(out: Output, jobs: list, targets: list[tuple[str, str]], load: dict, options: dict, *, json_out: bool, listed: bool = False,
+         label: str = "", **run_options) -> int:
+    """Run the jobs in-process through the one driver (events.prefill_events), the model loaded once one needs it."""
     from contextlib import contextmanager
 
     from ..events import prefill_events
 
     @contextmanager
     def open_model():
+        from ..engine import corpus
         from ..engine.model import models  # imported only now: a refused request costs no torch import
 
-        if folder is not None:
-            writing.make_folder(folder)
         with out.status("loading model"):
-            lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note,
-                             weights=weights)
-        yield _Held(lm)
+            lm = models.load(**load, progress=out.note)
+        yield corpus.lent(lm)
 
-    render = PrefillRenderer(out, targets, json_out=json_out)
+    render = PrefillRenderer(out, targets, json_out=json_out, listed=listed, label=label)
     try:
-        return prefill_events([(str(d), str(t)) for d, t in targets], open_model=open_model, emit=render,
-                              read=lambda doc: documents.read(doc, encoding),
-                              check=lambda t: writing.check_target(t, force=force, folder_made=folder is not None),
-                              fits=lambda: _fit_check(out, model, revision, framing, system, trust_remote_code),
-                              system=system, framing=framing, chunk_size=chunk_size, force=force, kv_bits=kv_bits)
+        return prefill_events(jobs, emit=render, model=open_model, raise_single=not listed, **options, **run_options)
     finally:
         render.close()
 
@@ -107,22 +111,10 @@ def _fit_check(out: Output, model, revision, framing, system, trust_remote_code)
         return counting.fit_check(model, revision=revision, framing=framing, system=system, trust_remote_code=trust_remote_code)
 
 
-class _Held:
-    """A model loaded for this process alone, lent as the server lends its warm ones."""
-
-    def __init__(self, lm):
-        self.lm = lm
-
-    def served(self) -> None:
-        pass
-
-
-def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shard: Optional[str], output: Optional[str], *,
-                    model, revision, system, framing, chunk_size, dtype, device, encoding, force, trust_remote_code, json_out,
-                    kv_bits: Optional[int] = None, weights: str = "float") -> int:
-    """Documents from a list and/or URLs, this process's share, one result line each (library: engine.corpus)."""
-    from ..engine import corpus, prefilling as pf
-    from ..engine.model import models
+def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shard: Optional[str], output: Optional[str], load: dict,
+                    options: dict, *, encoding: str, json_out: bool) -> int:
+    """Documents from a list and/or URLs, this process's share (library: engine.corpus)."""
+    from ..engine import corpus
     from ..remote import placement
 
     entries = list(dict.fromkeys(docs + (corpus.read_list(from_list) if from_list is not None else [])))
@@ -136,20 +128,5 @@ def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shar
     if not jobs:
         out.note(f"no documents to prefill{label}")
         return 0
-    with out.status("loading model"):
-        lm = models.load(model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note,
-                         weights=weights)
-    counts = {"built": 0, "skipped": 0, "failed": 0}
-    results = corpus.run(lm, jobs, read=placement.reader(encoding), system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK,
-                         force=force, incremental=from_list is not None, kv_bits=kv_bits,
-                         progress_for=lambda job: out.progress(f"prefill {job.document}"))
-    for r in results:
-        counts[r.status] += 1
-        if json_out:
-            out.json_line(r.to_json())
-        if r.status == "failed":
-            out.error(r.error)
-        elif not json_out:
-            out.note(f"{r.cache}: {r.status} ({r.tokens:,} tokens, {r.seconds:.1f} s)")
-    out.note(f"{counts['built']} built, {counts['skipped']} skipped, {counts['failed']} failed of {len(jobs)} documents{label}")
-    return 1 if counts["failed"] else 0
+    return _run(out, jobs, [(j.document, j.target.name) for j in jobs], load, options, read=placement.reader(encoding), json_out=json_out,
+                listed=True, label=label, incremental=from_list is not None)

@@ -113,30 +113,35 @@ class AskRenderer:
 
 
 class PrefillRenderer:
-    """Renders one prefill's events: a progress bar per document (on a terminal), a line per cache on stderr,
-    JSON lines on stdout with --json. targets: (document, cache) as the user spelled them."""
+    """Renders one prefill's events (kvcli/events.py prefill_events), in-process or served alike: a progress bar
+    per document (on a terminal), a line per cache on stderr, the record (engine.corpus.DocResult) as a JSON line
+    on stdout with --json, and with several documents or a list a closing count. targets: (document, cache) as
+    the user spelled them; label: what the count adds (the shard)."""
 
-    def __init__(self, out: Output, targets: Sequence[tuple[str, str]], *, json_out: bool = False, served: bool = False):
+    def __init__(self, out: Output, targets: Sequence[tuple[str, str]], *, json_out: bool = False, served: bool = False,
+                 listed: bool = False, label: str = ""):
         self.out, self.targets, self.json_out, self.served = out, [(str(d), str(t)) for d, t in targets], json_out, served
-        self._bar: Any = None  # (context manager, update) of the document being prefilled
-        self._begun = 0
+        self.listed, self.label = listed, label
+        self._bar: Any = None  # (index, context manager, update) of the document being prefilled
+        self.counts = {"built": 0, "skipped": 0, "failed": 0}
 
     def __call__(self, ev: dict[str, Any]) -> None:
         kind, out = ev.get("event"), self.out
-        if kind == "begin":
-            self._close()
-            self._begun += 1
-            doc = self.targets[ev["index"]][0]
-            overall = (self._begun, len(self.targets)) if len(self.targets) > 1 else None
-            bar = out.progress(f"prefill {doc}", overall=overall)
-            self._bar = (bar, bar.__enter__())
-        elif kind == "progress":
-            if self._bar is not None:
-                self._bar[1](ev["done"], ev["total"])
+        if kind == "progress":
+            if self._bar is None or self._bar[0] != ev["index"]:
+                self._close()
+                begun = sum(self.counts.values()) + 1
+                overall = (begun, len(self.targets)) if len(self.targets) > 1 else None
+                bar = out.progress(f"prefill {self.targets[ev['index']][0]}", overall=overall)
+                self._bar = (ev["index"], bar, bar.__enter__())
+            self._bar[2](ev["done"], ev["total"])
         elif kind == "prefilled":
             self._close()
             doc, target = self.targets[ev["index"]]
-            self.report(doc, target, ev["result"])
+            r = {**ev["record"], "document": doc, "cache": target, "served": self.served}
+            if r["status"] == "failed":
+                r["error"] = ev.get("message", r["error"])  # a served message, spelled as the user gave the paths
+            self.report(r, ev.get("hint"))
         elif kind == "error":
             self._close()
             out.error(ev["message"], ev.get("hint"))
@@ -147,21 +152,30 @@ class PrefillRenderer:
 
     def close(self) -> None:
         self._close()
+        n, c = sum(self.counts.values()), self.counts
+        if n > 1 or self.listed:
+            self.out.note(f"{c['built']} built, {c['skipped']} skipped, {c['failed']} failed of {len(self.targets)} documents{self.label}")
+        if c["failed"] and len(self.targets) > 1:
+            self.out.error(f"{c['failed']} of {len(self.targets)} documents failed")
 
     def _close(self) -> None:
         if self._bar is not None:
-            bar, self._bar = self._bar[0], None
+            bar, self._bar = self._bar[1], None
             bar.__exit__(None, None, None)
 
-    def report(self, doc: str, target: str, r: dict[str, Any]) -> None:
-        """One finished prefill (in-process or served: the same lines)."""
+    def report(self, r: dict[str, Any], hint: str | None = None) -> None:
+        """One document's record: its JSON line, and its line on stderr."""
         out = self.out
+        self.counts[r["status"]] += 1
         if self.json_out:
-            out.json_line({"document": doc, "cache": target, "num_tokens": r["num_tokens"], "compute_s": round(r["compute_s"], 4),
-                           "write_s": round(r["write_s"], 4), "bytes_raw": r["bytes_raw"], "bytes_on_disk": r["bytes_on_disk"],
-                           "served": self.served, "storage": r.get("storage", "lossless")})
-        out.note(
-            f"{target}: {r['num_tokens']:,} tokens in {r['compute_s'] + r['write_s']:.1f} s "
-            f"({r['num_tokens'] / max(r['compute_s'], 1e-9):,.0f} tok/s), {human_bytes(r['bytes_on_disk'])} on disk "
-            f"({r['bytes_on_disk'] / r['bytes_raw']:.0%} of {human_bytes(r['bytes_raw'])} raw, {r.get('storage', 'lossless')})"
-        )
+            out.json_line(r)
+        if r["status"] == "failed":
+            out.error(r["error"], hint)
+        elif r["status"] == "skipped":
+            out.note(f"{r['cache']}: up to date, skipped ({r['num_tokens']:,} tokens)")
+        else:
+            out.note(
+                f"{r['cache']}: {r['num_tokens']:,} tokens in {r['compute_s'] + r['write_s']:.1f} s "
+                f"({r['num_tokens'] / max(r['compute_s'], 1e-9):,.0f} tok/s), {human_bytes(r['bytes_on_disk'])} on disk "
+                f"({r['bytes_on_disk'] / r['bytes_raw']:.0%} of {human_bytes(r['bytes_raw'])} raw, {r['storage']})"
+            )

@@ -13,8 +13,10 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol, TypeVar
 
 from ..documents import Document
@@ -76,19 +78,29 @@ class Job:
 
 @dataclass
 class DocResult:
+    """One document's outcome: the one record every prefill reports (`--json`, in-process or served, one document,
+    several or a list). bytes_* and storage are the cache's (built or skipped); compute_s and write_s are 0
+    unless built; seconds is the document's whole time (reading, checks, waits included)."""
+
     document: str
     cache: str
     status: str  # "built", "skipped" or "failed"
-    tokens: int | None
-    seconds: float
+    num_tokens: int | None = None
+    compute_s: float = 0.0
+    write_s: float = 0.0
+    bytes_raw: int | None = None
+    bytes_on_disk: int | None = None
+    storage: str | None = None
+    seconds: float = 0.0
     error: str | None = None
+    index: int = field(default=0, compare=False)  # the job's place in the run (not in the record)
+    exc: BaseException | None = field(default=None, compare=False, repr=False)  # a failure, for a caller that raises it
 
-    def to_json(self) -> dict[str, Any]:
-        row = {"document": self.document, "cache": self.cache, "status": self.status, "tokens": self.tokens,
-               "seconds": round(self.seconds, 3)}
-        if self.error is not None:
-            row["error"] = self.error
-        return row
+    def to_json(self, served: bool = False) -> dict[str, Any]:
+        return {"document": self.document, "cache": self.cache, "status": self.status, "num_tokens": self.num_tokens,
+                "compute_s": round(self.compute_s, 4), "write_s": round(self.write_s, 4), "bytes_raw": self.bytes_raw,
+                "bytes_on_disk": self.bytes_on_disk, "storage": self.storage, "seconds": round(self.seconds, 3),
+                "error": self.error, "served": served}
 
 
 def read_list(source: str) -> list[str]:
@@ -182,65 +194,148 @@ def up_to_date(m: mf.Manifest, lm: LoadedModel, document: Document, framing: dic
     return all(m.framing.get(k) == framing.get(k) for k in FRAMING_KEYS)
 
 
+def lent(lm: LoadedModel) -> Any:
+    """A model the caller loaded, lent to run() as a warm server lends its own (serve/warm.HeldModel)."""
+    return SimpleNamespace(lm=lm, served=lambda: None)
+
+
+class _Abort(Exception):
+    """What the caller's progress callback raised (an asker gone): it ends the run, never one document."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
 def run(
-    lm: LoadedModel,
+    model: LoadedModel | Callable[[], AbstractContextManager],
     jobs: Iterable[Job],
     *,
     read: Callable[[str], Document],
     system: str | None = None,
     framing: str = "auto",
-    chunk_size: int = pf.DEFAULT_CHUNK,
+    chunk_size: int | None = None,
     force: bool = False,
     incremental: bool = True,
-    progress_for: Callable[[Job], Any] | None = None,
     kv_bits: int | None = None,
+    fit: Callable[[], Callable[[Document], Any]] | None = None,
+    upfront: bool = False,
+    progress: Callable[[int, int, int], None] | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Iterator[DocResult]:
-    """Prefill each job's document, yielding one result per document as it finishes.
+    """The one prefill driver: prefill each job's document, yielding one DocResult per document as it finishes.
 
-    incremental (corpus runs): an up-to-date cache is skipped, a stale or broken one replaced.
-    Without it (plain prefill) an existing cache is an error unless force. With force every
-    document is rebuilt. A cache that appears while building (another process with an overlapping
-    share) counts as skipped when it is up to date. Failures become results, never exceptions.
-    kv_bits 8 or 4 stores the caches quantized; a cache stored otherwise is not up to date.
-    """
-    record = fr.choose(lm.tokenizer, framing, system).record(lm.tokenizer)
-    for job in jobs:
-        t0 = time.perf_counter()
+    model: a LoadedModel, or open_model() -> a context lending one (`.lm`, `.served()` after each cache), entered
+    only once a document needs it. incremental (lists): an up-to-date cache is skipped (manifest only), a stale or
+    broken one replaced. Otherwise an existing cache is an error unless force, and local caches are locked from
+    their check to the end. With force every document is rebuilt. A cache that appears while building (another
+    process with an overlapping share) counts as skipped when it is up to date. Failures become results, never
+    exceptions. fit: fit() -> a check from the tokenizer alone (engine.counting.fit_check) returning the ids and
+    framing prefill caches, so a too-long document is refused before any load and tokenized once. upfront: every
+    document is read, its target checked and its fit measured before the model loads (a refusal costs no load).
+    progress(index, done, total) per chunk; cancelled(): the asker left (engine's Left is raised)."""
+    jobs = list(jobs)
+    options = dict(system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK, kv_bits=kv_bits)
+    opener = model if callable(model) and not isinstance(model, LoadedModel) else (lambda: nullcontext(lent(model)))
+    with ExitStack() as stack:
+        held: list[Any] = []
+        fits: list[Any] = []
 
-        def result(status: str, tokens: int | None = None, error: str | None = None) -> DocResult:
-            return DocResult(job.document, job.target.name, status, tokens, time.perf_counter() - t0, error)
+        def once(made: list, make: Callable[[], Any]) -> Any:
+            """made[0], made by make() the first time; its failure (no such model) ends the run, not one document."""
+            if not made:
+                try:
+                    made.append(make())
+                except BaseException as exc:
+                    raise _Abort(exc) from None
+            return made[0]
 
-        if job.error:
-            yield result("failed", error=job.error)
-            continue
-        try:
-            document = read(job.document)
-            current = job.target.current()
-            if current is not None and not force:
-                if incremental and up_to_date(current, lm, document, record, kv_bits):
-                    yield result("skipped", current.num_tokens)
-                    continue
-                if not incremental:
-                    raise CacheExistsError(f"{job.target.name}: already exists (use --force to replace it)")
-            cm = progress_for(job) if progress_for else None
-            options = dict(system=system, framing=framing, chunk_size=chunk_size, kv_bits=kv_bits)
-            replace = force or incremental  # a corpus run replaces a stale or broken cache (never a folder that is no cache)
+        def lm() -> LoadedModel:
+            return once(held, lambda: stack.enter_context(opener())).lm
+
+        def guarded(job: Job, i: int, t0: float, step: Callable[[], Any]) -> Any:
+            """step(), or the document's failed result: one document's failure, foreseen or not, never stops the rest."""
             try:
-                if cm is None:
-                    r = job.target.write(lm, document, force=replace, **options)
-                else:
-                    with cm as update:
-                        r = job.target.write(lm, document, force=replace, progress=update, **options)
+                return step()
+            except _Abort as stop:
+                raise stop.exc from None
+            except KvcliError as exc:
+                failure, error = exc, str(exc)
+            except Exception as exc:
+                from .scheduling.scheduler import Left, Stopped
+
+                if isinstance(exc, (Left, Stopped)):  # the asker left, the engine closed: the run ends
+                    raise
+                failure, error = exc, f"{job.document}: unexpected {exc.__class__.__name__}: {exc}"
+            return DocResult(job.document, job.target.name, "failed", seconds=time.perf_counter() - t0, error=error, index=i, exc=failure)
+
+        def prepare(i: int, job: Job) -> tuple[Any, ...]:
+            """The job read, checked and measured: (job, i, t0, document, split), or its DocResult (skipped, failed)."""
+            if job.error:
+                raise UsageError(job.error)
+            t0 = time.perf_counter()
+            if not incremental:
+                _claim(job.target, force, stack)
+            document = read(job.document)
+            if incremental and not force:
+                current = job.target.current()
+                if current is not None and up_to_date(current, lm(), document, _asked(lm(), framing, system), kv_bits):
+                    return _done(job, i, "skipped", current, t0)
+            return job, i, t0, document, once(fits, fit)(document) if fit is not None else None  # fit before any weights load
+
+        def build(job: Job, i: int, t0: float, document: Document, split: Any) -> DocResult:
+            if cancelled and cancelled():
+                from .scheduling.scheduler import Left
+
+                raise Left()
+
+            def update(done: int, total: int) -> None:
+                try:
+                    progress(i, done, total)
+                except BaseException as exc:
+                    raise _Abort(exc) from None
+
+            replace = force or incremental  # a list run replaces a stale or broken cache (never a folder that is no cache)
+            try:
+                r = job.target.write(lm(), document, force=replace, split=split, progress=update if progress else None, **options)
             except CacheExistsError:
                 now = job.target.current()  # written meanwhile by another process
-                if incremental and now is not None and up_to_date(now, lm, document, record, kv_bits):
-                    yield result("skipped", now.num_tokens)
-                    continue
+                if incremental and now is not None and up_to_date(now, lm(), document, _asked(lm(), framing, system), kv_bits):
+                    return _done(job, i, "skipped", now, t0)
                 raise
-            yield result("built", r.manifest.num_tokens)
-        except KvcliError as exc:
-            yield result("failed", error=str(exc))
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as exc:  # one document's unforeseen failure (e.g. out of memory) must not stop the rest
-            yield result("failed", error=f"{job.document}: unexpected {exc.__class__.__name__}: {exc}")
+            held[0].served()
+            return _done(job, i, "built", r.manifest, t0, r.compute_s, r.write_s)
+
+        def begun(i: int, job: Job) -> Any:
+            return guarded(job, i, time.perf_counter(), lambda: prepare(i, job))
+
+        prepared = (begun(i, job) for i, job in enumerate(jobs))
+        if upfront:  # every refusal before the model loads
+            ready = []
+            for p in prepared:
+                if isinstance(p, DocResult):
+                    yield p
+                else:
+                    ready.append(p)
+            prepared = iter(ready)
+        for p in prepared:
+            yield p if isinstance(p, DocResult) else guarded(p[0], p[1], p[2], lambda p=p: build(*p))
+
+
+def _asked(lm: LoadedModel, framing: str, system: str | None) -> dict[str, Any]:
+    """The record of the framing asked for (before any cut), which up_to_date compares."""
+    return fr.choose(lm.tokenizer, framing, system).record(lm.tokenizer)
+
+
+def _claim(target: Target, force: bool, stack: ExitStack) -> None:
+    """A new cache may be written there: an existing one only with force; a local one is locked to the run's end
+    (a second prefill of it is refused at once)."""
+    if isinstance(target, LocalTarget):
+        writing.check_target(target.path, force=force)
+        stack.enter_context(writing.writer_lock(target.path))
+    elif not force and target.current() is not None:
+        raise CacheExistsError(f"{target.name}: already exists (use --force to replace it)")
+
+
+def _done(job: Job, index: int, status: str, m: mf.Manifest, t0: float, compute_s: float = 0.0, write_s: float = 0.0) -> DocResult:
+    return DocResult(job.document, job.target.name, status, m.num_tokens, compute_s, write_s, m.bytes_raw, m.bytes_stored, m.storage,
+                     time.perf_counter() - t0, index=index)

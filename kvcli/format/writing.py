@@ -156,10 +156,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def check_target(target: str | os.PathLike, *, force: bool, folder_made: bool = False) -> None:
+def check_target(target: str | os.PathLike, *, force: bool) -> None:
     """Whether a cache may be written at `target` (a reserved name, an existing cache without force, a file,
-    a missing output folder): asked again before any model loads, so a refusal costs no load.
-    folder_made: the output folder is created before writing (-o DIR for several documents)."""
+    a missing output folder): asked again before any model loads, so a refusal costs no load."""
     target = Path(target)
     if TMP_MARK in target.name:
         raise KvcliError(f"{target}: names containing '{TMP_MARK}' are reserved for kvcli's temporary folders")
@@ -168,7 +167,7 @@ def check_target(target: str | os.PathLike, *, force: bool, folder_made: bool = 
     if target.exists() and not target.is_dir():
         raise KvcliError(f"{target}: exists and is not a cache directory; refusing to replace it")
     parent = target.parent
-    if not parent.is_dir() and not (folder_made and not parent.exists()):
+    if not parent.is_dir():
         raise KvcliError(f"{parent}: output folder {'is not a folder' if parent.exists() else 'does not exist'}")
 
 

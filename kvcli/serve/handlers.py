@@ -10,6 +10,7 @@ import select
 import socket
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from . import protocol
@@ -148,12 +149,13 @@ def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
 def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     """Prefill every document into its cache with the warm model, as cli.prefill does in-process."""
     from .. import documents
-    from ..format import manifest as mf, writing
+    from ..format import manifest as mf
 
     pairs = req.get("docs")
     if not isinstance(pairs, list) or not pairs or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in pairs):
         raise protocol.ProtocolError("docs must be a non-empty list of [document, cache] paths")
     kv_bits = mf.check_kv_bits(req.get("kv_bits"), "kv_bits")
+    from ..engine import corpus
     from ..engine.scheduling.scheduler import Left
     from ..events import prefill_events
 
@@ -169,12 +171,11 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
         conn.send(protocol.event(ev.pop("event"), **ev))
 
     try:
-        return prefill_events([(d, t) for d, t in pairs], open_model=open_model, emit=emit,
-                              read=lambda doc: documents.read(doc, req.get("encoding") or "utf-8"),
-                              check=lambda t: writing.check_target(t, force=bool(req.get("force"))), cancelled=conn.cancelled,
-                              fits=lambda: _fit_check(req),
-                              system=req.get("system"), framing=req.get("framing") or "auto", chunk_size=req.get("chunk_size"),
-                              force=bool(req.get("force")), kv_bits=kv_bits)
+        return prefill_events([corpus.Job(d, corpus.LocalTarget(Path(t))) for d, t in pairs], emit=emit, model=open_model,
+                              read=lambda doc: documents.read(doc, req.get("encoding") or "utf-8"), incremental=False, upfront=True,
+                              fit=lambda: _fit_check(req), cancelled=conn.cancelled, system=req.get("system"),
+                              framing=req.get("framing") or "auto", chunk_size=req.get("chunk_size"), force=bool(req.get("force")),
+                              kv_bits=kv_bits)
     except Left:
         raise Gone() from None
 

@@ -21,7 +21,9 @@ Events streamed for ask/prefill (mirroring what `kvcli` writes in-process):
   error {"message", "hint", "exit_code"}   a per-item failure (the batch goes on)
   text {"text"}                      answer text as it settles (plain output only)
   answer {"index", "answer": {...}}  one finished answer (Answer.to_json()), index = cache position
-  prefilled {"index", "result": {...}}     one finished prefill
+  progress {"index", "done", "total"}      a prefill's tokens done so far
+  prefilled {"index", "record": {...}, "message", "hint"}   one document's record (engine.corpus.DocResult;
+                                     message and hint: its failure)
   done {"exit_code"}                 the request finished
   fail {"message", "hint", "exit_code", "error"}   the request failed as a whole (one error line, exit code;
                                      error: the kvcli.errors class, so a client raises the same kind)

@@ -45,8 +45,10 @@ def prefill_turns(sock: Path, doc: Path, out: Path, chunk: int) -> tuple[list[tu
         for ev in conn.events():
             if ev.get("event") == "progress" and ev.get("done"):
                 turns.append((time.perf_counter(), int(ev["done"])))
+            elif ev.get("event") == "prefilled" and ev["record"]["status"] == "failed":
+                raise SystemExit(f"prefill failed: {ev.get('message')}")
             elif ev.get("event") == "prefilled":
-                result = ev["result"]
+                result = ev["record"]
             elif ev.get("event") in ("error", "fail"):
                 raise SystemExit(f"prefill failed: {ev.get('message')}")
     return turns, result
