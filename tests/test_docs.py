@@ -11,6 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # `kvcli/...`, `tests/...` or `docs/...` as a path, not a module name or a word: a file name or a folder's trailing slash
 PATH = re.compile(r"(?<![\w./-])((?:kvcli|tests|docs)/[\w./-]*[\w/])")
+# `engine/answer.py`: a module named from inside the package, found under kvcli/ (or the repository root)
+MODULE = re.compile(r"`([\w.]+/[\w./-]*\.py)`")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 BANNED = (re.compile(r"load average", re.I), re.compile(r"\b\d{1,2}:\d{2}(?:-\d{1,2}:\d{2})? UTC\b"), re.compile(r"this project's machines?", re.I),
           re.compile(r"\b[0-9a-f]{7,40}\b"))
@@ -33,9 +35,14 @@ def _named_paths(page: Path) -> set[str]:
     return {m.rstrip("/.") for m in PATH.findall(text)}
 
 
+def _exists(path: str) -> bool:
+    return (ROOT / path).exists() or (not path.startswith(("kvcli/", "tests/", "docs/")) and (ROOT / "kvcli" / path).exists())
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_path_a_page_names_exists(page):
-    missing = sorted(p for p in _named_paths(page) if not (ROOT / p).exists())
+    named = _named_paths(page) | set(MODULE.findall(page.read_text(encoding="utf-8")))
+    missing = sorted(p for p in named if not _exists(p))
     assert missing == [], f"{page.relative_to(ROOT)} names paths that do not exist"
 
 
