@@ -3,7 +3,7 @@
 # The cache is rebuilt when it is missing or no longer fits the model (exit code 3).
 set -eu
 cd "$(dirname "$0")"
-# --no-repeat-ngram-size 10 keeps the small default model out of loops (README, "Small models and loops").
+# --no-repeat-ngram-size 10 keeps the small default model out of loops (docs/models-and-framing.md, "Small models and loops").
 ask() { kvcli ask --cache document.kv -f questions.txt --no-repeat-ngram-size 10 --json --quiet > answers.jsonl; }
 ask || { [ $? -eq 3 ] && kvcli prefill document.txt --force --quiet && ask; }
 # One JSON object per line: print question and answer.

@@ -1,0 +1,68 @@
+"""README.md stays a newcomer's page (short, no run diary), and every path README.md and docs/ name exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# `kvcli/...`, `tests/...` or `docs/...` as a path, not a module name or a word: a file name or a folder's trailing slash
+PATH = re.compile(r"(?<![\w./-])((?:kvcli|tests|docs)/[\w./-]*[\w/])")
+# `engine/answer.py`: a module named from inside the package, found under kvcli/ (or the repository root)
+MODULE = re.compile(r"`([\w.]+/[\w./-]*\.py)`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+BANNED = (re.compile(r"load average", re.I), re.compile(r"\b\d{1,2}:\d{2}(?:-\d{1,2}:\d{2})? UTC\b"), re.compile(r"this project's machines?", re.I),
+          re.compile(r"\b[0-9a-f]{7,40}\b"))
+
+
+def test_readme_fits_on_a_few_screens():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 200 and len(text.encode()) <= 12 * 1024
+
+
+@pytest.mark.parametrize("pattern", BANNED, ids=lambda p: p.pattern)
+def test_readme_names_no_run_of_one_afternoon(pattern):
+    lines = [line for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines() if pattern.search(line)]
+    assert lines == []
+
+
+def _named_paths(page: Path) -> set[str]:
+    text = page.read_text(encoding="utf-8")
+    text = re.sub(r"https?://\S+", "", text)  # a URL's path is not this repository's
+    return {m.rstrip("/.") for m in PATH.findall(text)}
+
+
+def _exists(path: str) -> bool:
+    return (ROOT / path).exists() or (not path.startswith(("kvcli/", "tests/", "docs/")) and (ROOT / "kvcli" / path).exists())
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_path_a_page_names_exists(page):
+    named = _named_paths(page) | set(MODULE.findall(page.read_text(encoding="utf-8")))
+    missing = sorted(p for p in named if not _exists(p))
+    assert missing == [], f"{page.relative_to(ROOT)} names paths that do not exist"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_resolves(page):
+    text = page.read_text(encoding="utf-8")
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+            broken.append(target)
+    assert broken == [], f"{page.relative_to(ROOT)} links to what does not exist"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation dropped, spaces to hyphens."""
+    heads = re.findall(r"^#+\s+(.*?)\s*$", page.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower().replace("`", "")).replace(" ", "-") for h in heads}
