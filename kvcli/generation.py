@@ -16,7 +16,7 @@ from typing import Any
 from .errors import UsageError
 
 DEFAULT_MAX_NEW_TOKENS = 256  # answer tokens when no --max-new-tokens is given
-DEFAULT_BATCH = 8  # rows one document decodes together (README, "Many questions at once")
+DEFAULT_BATCH = 8  # rows one document decodes together (docs/serving.md, "Many questions at once")
 DEFAULT_HTTP_MAX_TOKENS = 4096  # most answer tokens one HTTP request may ask for (serve --max-tokens)
 FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop", "repetition_penalty", "no_repeat_ngram_size")
 CLI_NAMES = {f: "--" + f.replace("_", "-") for f in FIELDS}

@@ -2,8 +2,7 @@
 config and tokenizer only.
 
 No weights are loaded and nothing runs through the model. Where the model folder allows it (engine/model/light.py)
-torch is not imported either. Sizes on disk are estimates from ratios measured in this repository (README,
-"Performance"); times come from this machine's recorded prefills (engine/throughput.py), else a rough curve.
+torch is not imported either. Sizes on disk are estimates from ratios measured in this repository (docs/performance.md); times come from this machine's recorded prefills (engine/throughput.py), else a rough curve.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from . import throughput
 from .prefilling import too_long
 from ..documents import Document
 
-# stored / raw for byte planes + zstd level 1, measured on the default model's caches (README, "Performance")
+# stored / raw for byte planes + zstd level 1, measured on the default model's caches (docs/performance.md)
 DISK_RATIO = {"float32": 0.83, "bfloat16": 0.67, "float16": 0.84}
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 LIGHT = "config.json and tokenizer only (no torch)"

@@ -20,12 +20,12 @@ from ..documents import Document
 from ..errors import DocumentError, ModelError, UsageError
 from .model.models import LoadedModel
 
-SHARED_SLICE = 256  # prefill tokens per turn while answers decode on the model (1.15x one forward at 8k, vs 1.10x)
-DEFAULT_CHUNK = 1024  # chosen by measurement (8k tokens: 1.10x one forward at 60% of its peak memory): README, "Performance"
+SHARED_SLICE = 256  # prefill tokens per turn while answers decode on the model (tests/bench/bench_stall.py)
+DEFAULT_CHUNK = 1024  # near one forward's time at a fraction of its peak memory (`kvcli bench`; docs/performance.md)
 ANSWER_ROOM = 320  # tokens kept free for a question and its answer
-DEFAULT_LEVEL = 1  # measured on byte planes of a 4k float32 cache: level 1 -> 0.829 of raw, 2 -> 0.835, 3 -> 0.839 (and slower); -1 -> 0.902
+DEFAULT_LEVEL = 1  # zstd level: on byte planes of float32 caches, higher levels are slower and barely smaller
 DEFAULT_TRANSFORM = "byteplane"
-QUANT_GROUP = 64  # tokens (keys) / channels (values) per scale: chosen by measurement, README "Smaller caches"
+QUANT_GROUP = 64  # tokens (keys) / channels (values) per scale: chosen by measurement (docs/quantization.md)
 QUANT_EXACT = {8: 4, 4: 32}  # first tokens kept in the compute dtype (attention sinks), per bit width: measured, same place
 QUANT_RECENT = {8: 0, 4: 0}  # last tokens kept in the compute dtype (the recent window), per bit width: measured, same place
 
