@@ -2,7 +2,8 @@
 config and tokenizer only.
 
 No weights are loaded and nothing runs through the model. Where the model folder allows it (engine/model/light.py)
-torch is not imported either. Sizes on disk are estimates from ratios measured in this repository (docs/performance.md); times come from this machine's recorded prefills (engine/throughput.py), else a rough curve.
+torch is not imported either. Sizes on disk are estimates from ratios measured in this repository
+(docs/performance.md); times come from this machine's recorded prefills (engine/throughput.py), else a rough curve.
 """
 
 from __future__ import annotations
