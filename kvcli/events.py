@@ -12,7 +12,7 @@ answer {index, answer}; check {index, message}.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, closing
+from contextlib import AbstractContextManager, closing, nullcontext
 from typing import Any
 
 from .errors import CHECK_DIFFERS_EXIT, KvcliError
@@ -31,13 +31,15 @@ def room_warning(path: str, room: int, max_new_tokens: int) -> str | None:
 
 def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[str], options: Any, *, emit: Emit,
                history_for: Callable[[Any], Sequence[Any]] = lambda _s: (), batch_size: int | None = None,
-               check: bool = False, stream: bool = True, cancelled: Callable[[], bool] | None = None,
+               check: bool = False, stream: bool = True, watch: Callable[[Any], AbstractContextManager] = lambda _r: nullcontext(),
                shown: Callable[[str], str] = str) -> int:
     """Answer every question from every cache, emitting events; returns the exit code.
 
     One cache that fails is an error event and the next cache goes on (the only cache failing raises);
     answers come in question order, the first unfinished one streaming (text events) while later ones,
-    decoded in the same batch, are held until it completes. shown(path): a path as messages print it."""
+    decoded in the same batch, are held until it completes. shown(path): a path as messages print it.
+    watch(request): a context held while each cache's request is read (a socket server's: it cancels the
+    request when the client hangs up); the events are read in this thread."""
     from .engine.decoding.questions import in_order
 
     first_error: KvcliError | None = None
@@ -75,8 +77,9 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
                 len(questions), lambda i, index=index, path=path: emit({"event": "begin", "index": index, "question": questions[i],
                                                                         "cache": path}),
                 finish, (lambda t: emit({"event": "text", "text": t})) if stream else None)
-            session.ask_many(list(questions), options, batch_size=batch_size, on_text=on_text, on_answer=on_answer,
-                             check=check, history=history, cancelled=cancelled, prompts=prompts)
+            request = session.submit(list(questions), options, batch_size=batch_size, check=check, history=history, prompts=prompts)
+            with watch(request):
+                request.result(on_text, on_answer)
         finally:
             held.__exit__(None, None, None)
     if first_error:

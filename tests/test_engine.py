@@ -15,7 +15,7 @@ import pytest
 
 import kvcli
 from kvcli.engine.decoding import batch, solo
-from kvcli.engine.scheduling.scheduler import Engine, Left, Stopped
+from kvcli.engine.scheduling.scheduler import Cancelled, Engine, EngineClosed
 from kvcli.errors import GenerationError
 from tests.test_architectures import arch  # noqa: F401  (the module's tiny-model fixture)
 
@@ -135,10 +135,9 @@ def test_an_asker_that_leaves_takes_its_rows_out(arch):
     a = arch("llama")
     session = kvcli.Session(a.lm, a.path)
     engine = Engine(a.lm, width=4)
-    seen: list[str] = []
-    with pytest.raises(Left):
-        engine.ask(session, [QUESTIONS[0]], kvcli.GenerationOptions(max_new_tokens=500), on_text=lambda i, t: seen.append(t),
-                   cancelled=lambda: bool(seen))
+    request = engine.submit(session, [QUESTIONS[0]], kvcli.GenerationOptions(max_new_tokens=500))
+    with pytest.raises(Cancelled):
+        request.result(on_text=lambda i, t: request.cancel())
     left_at = engine.steps
     _wait(lambda: not engine.busy)  # its row left: nothing more to decode
     assert engine.steps <= left_at + 1  # within one step of the asker leaving
@@ -320,9 +319,9 @@ def test_closing_the_engine_ends_every_asker(arch):
     engine.close()
     for t in threads:
         t.join(timeout=60)
-    assert all(isinstance(r, Stopped) for r in results.values()), results
+    assert all(isinstance(r, EngineClosed) for r in results.values()), results
     assert not engine.busy
-    with pytest.raises(Stopped):
+    with pytest.raises(EngineClosed):
         engine.ask(session, [QUESTIONS[0]], OPTS)
 
 

@@ -84,37 +84,37 @@ class Session:
             self._unreported_load = 0.0
         return start
 
-    def ask(self, question: str, options: GenerationOptions | None = None, on_text: TokenFn | None = None,
-            *, check: bool = False, history: Sequence[conversation.Exchange] = (),
-            cancelled: Callable[[], bool] | None = None) -> Answer:
-        """Answer one question; on_text receives the answer's text as it is generated (raising there abandons it).
-        Safe from several threads: every question runs through the model's engine (engine/scheduling/scheduler.py).
+    def submit(self, questions: Sequence[str], options: GenerationOptions | None = None, *, batch_size: int | None = None,
+               check: bool = False, history: Sequence[conversation.Exchange] = (), prompts: Sequence[list[int]] | None = None,
+               served: Callable[[int, Answer], None] | None = None):
+        """Submit questions to the model's engine; returns the Request (engine/scheduling/scheduler.py) to iterate
+        for events (Text, Answered, then Done or Failed) and to cancel(). Each decoding step runs every running
+        question of this document (and of any other asker) in one forward pass (engine/decoding/batch.py).
+        batch_size: at most this many of these questions decode at once (1: one by one). check=True measures
+        every answer against a full recompute (Answer.check, engine/check.py; it costs a recompute of the
+        document). history: earlier (question, answer) exchanges, appended after the document before each
+        question (conversation.py). prompts: the questions' prompt ids when already tokenized (check_prompt)."""
+        from .scheduling.scheduler import engine_for
 
-        check=True also runs the prompt and answer through the model once without any cache and fills
-        Answer.check (see engine/check.py): it costs a full recompute of the document.
-        history: earlier (question, answer) exchanges of this conversation, appended after the document
-        before the question (see conversation.py); the cached document is never recomputed.
-        cancelled(): polled while waiting; once True the question leaves (engine.Left)."""
+        return engine_for(self.lm).submit(self, questions, options or GenerationOptions(), history=history, limit=batch_size,
+                                          check=check, prompts=prompts, served=served)
+
+    def ask(self, question: str, options: GenerationOptions | None = None, on_text: TokenFn | None = None,
+            *, check: bool = False, history: Sequence[conversation.Exchange] = ()) -> Answer:
+        """Answer one question (submit(), read here); on_text receives its text as it settles (raising there
+        cancels it). Safe from several threads."""
         return self.ask_many([question], options, on_text=(lambda _i, t: on_text(t)) if on_text else None, check=check,
-                             history=history, cancelled=cancelled)[0]
+                             history=history)[0]
 
     def ask_many(self, questions: Sequence[str], options: GenerationOptions | None = None, *,
                  batch_size: int | None = None, on_text: Callable[[int, str], None] | None = None,
                  on_answer: Callable[[int, Answer], None] | None = None, check: bool = False,
-                 history: Sequence[conversation.Exchange] = (), cancelled: Callable[[], bool] | None = None,
-                 prompts: Sequence[list[int]] | None = None) -> list[Answer]:
-        """Answer several questions together: each decoding step runs every running question of this document
-        (and of any other asker) in one forward pass (engine/decoding/batch.py), so the weights are read once per step
-        instead of once per question. Greedy answers equal ask() alone and generate() on the full prompt.
-        on_text(i, text) streams question i's text; on_answer(i, answer) hands each answer over as soon as it
-        is complete. batch_size: at most this many of these questions decode at once (1: one by one).
-        check=True measures every answer against a full recompute (Answer.check). prompts: the questions'
-        prompt ids when already tokenized (check_prompt), else tokenized here."""
-        from .scheduling.scheduler import engine_for
-
-        return engine_for(self.lm).ask(self, questions, options or GenerationOptions(), history=history,
-                                       limit=batch_size, check=check, on_text=on_text, on_answer=on_answer,
-                                       cancelled=cancelled, prompts=prompts)
+                 history: Sequence[conversation.Exchange] = (), prompts: Sequence[list[int]] | None = None) -> list[Answer]:
+        """Answer several questions together (submit(), read here): on_text(i, text) streams question i's text,
+        on_answer(i, answer) hands each answer over as soon as it is complete. Greedy answers equal ask() alone
+        and generate() on the full prompt."""
+        return self.submit(questions, options, batch_size=batch_size, check=check, history=history,
+                           prompts=prompts).result(on_text, on_answer)
 
 
 def _version_warnings(manifest, path: Path) -> list[str]:

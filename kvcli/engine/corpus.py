@@ -232,7 +232,7 @@ def run(
     exceptions. fit: fit() -> a check from the tokenizer alone (engine.counting.fit_check) returning the ids and
     framing prefill caches, so a too-long document is refused before any load and tokenized once. upfront: every
     document is read, its target checked and its fit measured before the model loads (a refusal costs no load).
-    progress(index, done, total) per chunk; cancelled(): the asker left (engine's Left is raised)."""
+    progress(index, done, total) per chunk; cancelled(): the asker left (the engine's Cancelled is raised)."""
     jobs = list(jobs)
     options = dict(system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK, kv_bits=kv_bits)
     opener = model if callable(model) and not isinstance(model, LoadedModel) else (lambda: nullcontext(lent(model)))
@@ -261,9 +261,9 @@ def run(
             except KvcliError as exc:
                 failure, error = exc, str(exc)
             except Exception as exc:
-                from .scheduling.scheduler import Left, Stopped
+                from .scheduling.requests import Cancelled, EngineClosed
 
-                if isinstance(exc, (Left, Stopped)):  # the asker left, the engine closed: the run ends
+                if isinstance(exc, (Cancelled, EngineClosed)):  # the asker left, the engine closed: the run ends
                     raise
                 failure, error = exc, f"{job.document}: unexpected {exc.__class__.__name__}: {exc}"
             return DocResult(job.document, job.target.name, "failed", seconds=time.perf_counter() - t0, error=error, index=i, exc=failure)
@@ -284,9 +284,9 @@ def run(
 
         def build(job: Job, i: int, t0: float, document: Document, split: Any) -> DocResult:
             if cancelled and cancelled():
-                from .scheduling.scheduler import Left
+                from .scheduling.requests import Cancelled
 
-                raise Left()
+                raise Cancelled("the asker left")
 
             def update(done: int, total: int) -> None:
                 try:

@@ -15,33 +15,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .warm import Cancelled  # noqa: F401  (what Opened.ask raises once the asker has left)
-
-
 def _nothing() -> None:
     pass
 
 
 @dataclass
 class Opened:
-    """A Session lent to one request: ask() joins its model's engine; release() gives the session back."""
+    """A Session lent to one request: submit() joins its model's engine; release() gives the session back."""
 
     session: Any  # kvcli.engine.answer.Session
     release: Callable[[], None] = _nothing  # called once when the request is done with the session
-    asker: Callable[..., Any] | None = None  # a provider's own ask (a warm Lease's: it counts answers served)
+    submitter: Callable[..., Any] | None = None  # a provider's own submit (a warm Lease's: it counts answers served)
     concurrency: int = 1  # requests that decode together on this document
 
-    def ask(self, question: str, options: Any, on_text: Any = None, *, history: Sequence[tuple[str, str]] = (),
-            cancelled: Callable[[], bool] = lambda: False):
-        """One answer; `Cancelled` once cancelled() says the asker left (its row leaves at the next step)."""
-        if self.asker is not None:
-            return self.asker(question, options, on_text, history=history, cancelled=cancelled)
-        from ..engine.scheduling.scheduler import Left
-
-        try:
-            return self.session.ask(question, options, on_text, history=history, cancelled=cancelled)
-        except Left:
-            raise Cancelled() from None
+    def submit(self, question: str, options: Any, *, history: Sequence[tuple[str, str]] = (), prompt: list[int] | None = None):
+        """One question's Request (engine/scheduling/scheduler.py): events to read, cancel() once the asker left."""
+        return (self.submitter or self.session.submit)([question], options, history=history, prompts=[prompt] if prompt else None)
 
 
 class Provider(Protocol):
@@ -112,7 +101,7 @@ class WarmProvider:
             held.__exit__(None, None, None)
             self.on_use()
 
-        return Opened(session=lease.session, release=release, asker=lease.ask, concurrency=lease.concurrency)
+        return Opened(session=lease.session, release=release, submitter=lease.submit, concurrency=lease.concurrency)
 
 
 class DocsProvider(WarmProvider):

@@ -6,23 +6,23 @@ warnings, per-item errors and answers), so the client renders exactly what `kvcl
 
 from __future__ import annotations
 
+import os
 import select
 import socket
+import threading
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from . import protocol
-from .warm import Cancelled, Warm
+from .warm import Warm
+from ..engine.scheduling.requests import Cancelled, EngineClosed
 from ..errors import KvcliError
 
 REQUEST_TIMEOUT = 10.0  # seconds a client may take to send its request line
 SEND_TIMEOUT = 30.0  # seconds a client may leave an event unread before it counts as gone
-
-
-class Gone(Cancelled):
-    """The client closed its connection or stopped reading."""
 
 
 class Connection:
@@ -42,7 +42,7 @@ class Connection:
             except (TimeoutError, socket.timeout):
                 raise protocol.ProtocolError(f"no complete request line within {REQUEST_TIMEOUT:.0f} s") from None
             if not chunk:
-                raise Gone()
+                raise Cancelled("the client left")
             buf += chunk
             if len(buf) > protocol.MAX_LINE and b"\n" not in buf[: protocol.MAX_LINE + 1]:
                 raise protocol.ProtocolError(f"request line longer than {protocol.MAX_LINE} bytes")
@@ -54,13 +54,13 @@ class Connection:
 
     def send(self, data: bytes) -> None:
         if self.gone:
-            raise Gone()
+            raise Cancelled("the client left")
         try:
             self.sock.settimeout(SEND_TIMEOUT)
             self.sock.sendall(data)
         except OSError:
             self.gone = True
-            raise Gone() from None
+            raise Cancelled("the client left") from None
 
     def cancelled(self) -> bool:
         """Whether the client hung up (polled without blocking), or the server must stop now."""
@@ -77,6 +77,29 @@ class Connection:
         except OSError:
             self.gone = True
         return self.gone
+
+    @contextmanager
+    def watch(self, request: Any):
+        """While `request` is read: a thread that waits on the socket and cancels the request once the client hangs up."""
+        wake, woken = os.pipe()
+
+        def run() -> None:
+            while True:
+                readable, _, _ = select.select([self.sock, wake], [], [])
+                if wake in readable:
+                    return
+                if self.cancelled():
+                    request.cancel()
+                    return
+
+        watcher = threading.Thread(target=run, name="kvcli-watch", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            os.write(woken, b"x")
+            watcher.join()
+            os.close(wake), os.close(woken)
 
     def close(self) -> None:
         try:
@@ -143,7 +166,7 @@ def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
         conn.send(protocol.event(ev.pop("event"), **ev))
 
     return ask_events(open_session, caches, questions, opts, emit=emit, history_for=lambda lease: _history(req, lease.session),
-                      batch_size=batch_size, stream=bool(req.get("stream", True)), cancelled=conn.cancelled)
+                      batch_size=batch_size, stream=bool(req.get("stream", True)), watch=conn.watch)
 
 
 def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
@@ -156,7 +179,6 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
         raise protocol.ProtocolError("docs must be a non-empty list of [document, cache] paths")
     kv_bits = mf.check_kv_bits(req.get("kv_bits"), "kv_bits")
     from ..engine import corpus
-    from ..engine.scheduling.scheduler import Left
     from ..events import prefill_events
 
     def note(message: str) -> None:
@@ -170,14 +192,11 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     def emit(ev: dict[str, Any]) -> None:
         conn.send(protocol.event(ev.pop("event"), **ev))
 
-    try:
-        return prefill_events([corpus.Job(d, corpus.LocalTarget(Path(t))) for d, t in pairs], emit=emit, model=open_model,
-                              read=lambda doc: documents.read(doc, req.get("encoding") or "utf-8"), incremental=False, upfront=True,
-                              fit=lambda: _fit_check(req), cancelled=conn.cancelled, system=req.get("system"),
-                              framing=req.get("framing") or "auto", chunk_size=req.get("chunk_size"), force=bool(req.get("force")),
-                              kv_bits=kv_bits)
-    except Left:
-        raise Gone() from None
+    return prefill_events([corpus.Job(d, corpus.LocalTarget(Path(t))) for d, t in pairs], emit=emit, model=open_model,
+                          read=lambda doc: documents.read(doc, req.get("encoding") or "utf-8"), incremental=False, upfront=True,
+                          fit=lambda: _fit_check(req), cancelled=conn.cancelled, system=req.get("system"),
+                          framing=req.get("framing") or "auto", chunk_size=req.get("chunk_size"), force=bool(req.get("force")),
+                          kv_bits=kv_bits)
 
 
 def _fit_check(req: dict[str, Any]):
@@ -224,7 +243,7 @@ def handle(conn: Connection, warm: Warm, status: Callable[[], dict[str, Any]], s
             return "failed"
         conn.send(protocol.event("done", exit_code=code))
         return "done"
-    except Cancelled:
+    except (Cancelled, EngineClosed):
         if not conn.gone:  # the server is stopping: say so instead of leaving the client guessing
             try:
                 conn.send(protocol.fail("the server stopped before the answer was complete"))

@@ -36,7 +36,7 @@ from . import openai_api as oa
 from .docs import DocsProvider, Opened, Provider
 from .protocol import MAX_LINE
 from .guard import LOOPBACK_NAMES, allowed_hosts, check_bind, check_origins, is_loopback, parse_address, scrub  # noqa: F401
-from .warm import Cancelled
+from ..engine.scheduling.requests import Cancelled, EngineClosed
 
 log = logging.getLogger("kvcli.serve.http")
 DEFAULT_MAX_QUEUE = 32  # requests waiting per model before 503
@@ -80,10 +80,6 @@ def _once(fn):
             fn()
 
     return call
-
-
-class _Abandoned(Exception):
-    """The client went away: raised from the text callback to stop generating."""
 
 
 def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
@@ -199,15 +195,19 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
                 raise oa.ApiError(400, f"messages: {exc.reason}", param="messages", code="context_length_exceeded") from None
             gate = gates.setdefault(id(session.lm), _Gate(max_queue, opened.concurrency))
             gate.reserve()
+            try:
+                submitted = opened.submit(req.question, opts, history=req.history, prompt=prompt)  # the row joins the engine now
+            except BaseException:
+                gate.held -= 1
+                raise
         except BaseException:
             release()
             raise
         cid = oa.completion_id()
-        gone = threading.Event()
 
         def work(on_text=None):
             try:
-                return opened.ask(req.question, opts, on_text, history=req.history, cancelled=gone.is_set)
+                return submitted.result(on_text)[0]
             finally:
                 release()
 
@@ -215,6 +215,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
             try:
                 return await gate.start(work)
             except BaseException:
+                submitted.cancel()
                 release()
                 raise
 
@@ -224,9 +225,9 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
                 while not fut.done():  # a client that hangs up takes its row out at the next step
                     await asyncio.wait({fut}, timeout=DISCONNECT_POLL_S)
                     if not fut.done() and await request.is_disconnected():
-                        gone.set()
+                        submitted.cancel()
                 result = await fut
-            except Cancelled:
+            except (Cancelled, EngineClosed):
                 raise oa.ApiError(503, "the server stopped before the answer was complete", type="server_error",
                                   code="stopped") from None
             return JSONResponse(oa.completion(cid, req.model, result))
@@ -237,9 +238,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
 
-            def on_text(text: str) -> None:
-                if gone.is_set():
-                    raise _Abandoned()
+            def on_text(_i: int, text: str) -> None:
                 loop.call_soon_threadsafe(queue.put_nowait, text)
 
             def data(obj) -> dict[str, str]:
@@ -265,10 +264,11 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
                     yield data(oa.chunk(cid, req.model, answer=result, with_choice=False))
                 yield {"data": "[DONE]"}
             finally:
-                gone.set()  # a client gone mid-answer stops its generation at the next token
+                submitted.cancel()  # a client gone mid-answer: its row leaves at the next step (done: nothing happens)
 
         def never_started() -> None:
             if not started[0]:
+                submitted.cancel()
                 gate.held -= 1
                 release()
 

@@ -38,10 +38,6 @@ from . import memory
 Note = Callable[[str], None]
 
 
-class Cancelled(Exception):
-    """The client that asked went away: its generation stops here."""
-
-
 @dataclass
 class _Entry:
     key: str
@@ -88,33 +84,18 @@ class Lease:
         engine = self._model.engine
         return (engine.width or 1) if engine.batched else 1
 
-    def ask(self, question: str, options: Any = None, on_text: Callable[[str], None] | None = None,
-            cancelled: Callable[[], bool] | None = None, history: Any = ()):
-        """One question (after the conversation `history`, if any); Cancelled once the asker has left."""
-        return self.ask_many([question], options, on_text=(lambda _i, t: on_text(t)) if on_text else None,
-                             cancelled=cancelled, history=history)[0]
-
-    def ask_many(self, questions: list[str], options: Any = None, *, on_text: Callable[[int, str], None] | None = None,
-                 on_answer: Callable[[int, Any], None] | None = None, cancelled: Callable[[], bool] | None = None,
-                 history: Any = (), batch_size: int | None = None, check: bool = False, prompts: Any = None) -> list[Any]:
-        """Several questions, decoded together with whatever else asks this model (at most batch_size of
-        these at once); callbacks run in this thread: on_text(i, text), on_answer(i, answer) as each completes."""
-        from ..engine.answer import GenerationOptions
-        from ..engine.scheduling.scheduler import Left, Stopped
-
-        def answered(i: int, a: Any) -> None:
+    def submit(self, questions: list[str], options: Any = None, **kw: Any):
+        """Session.submit, with each answer counted and the memory account fitted as it completes."""
+        def answered(_i: int, _a: Any) -> None:
             self._warm._served("answers", self._entry, self._model)
             self._warm.fit()  # the account as held now (suffix buffers and grown caches counted): others go if over
-            if on_answer:
-                on_answer(i, a)
 
         self._warm.fit()
-        try:
-            return self.session.ask_many(questions, options or GenerationOptions(), batch_size=batch_size, check=check,
-                                         on_text=on_text, on_answer=answered, cancelled=cancelled, history=history,
-                                         prompts=prompts)
-        except (Left, Stopped):
-            raise Cancelled() from None
+        return self.session.submit(questions, options, served=answered, **kw)
+
+    def ask(self, question: str, options: Any = None, on_text: Callable[[str], None] | None = None, history: Any = ()):
+        """One question (after the conversation `history`, if any), read here."""
+        return self.submit([question], options, history=history).result((lambda _i, t: on_text(t)) if on_text else None)[0]
 
 
 class HeldModel:
@@ -243,7 +224,7 @@ class Warm:
         return any(e.users > 0 for e in entries) or any(e.engine.busy for e in entries if e.kind == "model")
 
     def close(self) -> None:
-        """Stop every model's engine: questions still waiting or decoding end with Cancelled."""
+        """Stop every model's engine: requests still waiting or decoding end with EngineClosed."""
         with self._mutex:
             engines = [e.engine for e in self._entries.values() if e.kind == "model"]
         for engine in engines:

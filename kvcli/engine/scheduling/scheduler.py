@@ -1,12 +1,12 @@
 """One engine per loaded model: the only thread that runs the model, stepping every row of every document.
 
-Askers (the CLI in-process, a socket client's thread, an HTTP request) submit questions and read events
-back in their own thread: settled text, finished answers, errors. Each step of the loop runs one forward
+Askers (the CLI in-process, a socket client's thread, an HTTP request) submit questions and get a Request:
+they read its events back in their own thread (settled text, finished answers, then done or failed). Each step of the loop runs one forward
 pass per document with rows (the joining rows' own ids, else one new token for every running row, in a
 batch, or one row at a time where the batched path was not proven exact: engine/decoding/protocol.py),
 then hands one turn to other work waiting for the model (a prefill chunk, a --check recompute). So a
 long prefill pauses running answers for one chunk at a time, a new question joins at the next step, and
-an asker that leaves (cancelled, an exception in its callbacks, Ctrl-C) takes its rows out at the next step.
+a cancelled request (request.cancel(), from a front end whose client left) takes its rows out at the next step.
 A thread that waits while another computes gives back its OpenMP workers first (openmp.py).
 """
 
@@ -14,28 +14,124 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from ..decoding import batch, questions as qs
 from ..decoding.request import DEFAULT_BATCH as DEFAULT_WIDTH
 from ..decoding.lone import LoneOrBatchDecoder
-from ..decoding.protocol import Decoder, Row
+from ..decoding.protocol import Decoder
 from ..decoding.solo import OneRowDecoder
 from . import openmp
-
-POLL_S = 0.05  # how often a waiting asker checks whether it is still wanted
-
-
-class Left(Exception):
-    """The asker went away (its `cancelled()` said so): its questions left the engine."""
+from .requests import Answered, Cancelled, Done, EngineClosed, Failed, Text  # noqa: F401  (the request API's names)
 
 
-class Stopped(Exception):
-    """The engine was closed (the server is stopping) before the answer was complete."""
+class Request:
+    """One submission's questions on one document, read as events in the reader's thread; cancel() from any thread.
+
+    Iterating yields Text(i, text) as text settles and Answered(i, answer) as each completes, then Done(answers)
+    or Failed(error) (Cancelled after cancel(), EngineClosed when the engine closes, else what a step raised),
+    and ends. Questions beyond the limit join as earlier ones finish. Used as a context manager, leaving it
+    early (an exception in the reader, a break) cancels; cancelling a finished request does nothing."""
+
+    def __init__(self, engine: Engine, session: Any, texts: Sequence[str], options: Any, *, history: Sequence[Any],
+                 limit: int, check: bool, start: float, prompts: Sequence[list[int]] | None,
+                 served: Callable[[int, Any], None] | None):
+        self.engine, self.session, self.limit = engine, session, limit
+        self._texts, self._options, self._history, self._check, self._prompts = texts, options, history, check, prompts
+        self._start, self._served = start, served
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = list(enumerate(texts))
+        self._mine: dict[int, qs.Question] = {}
+        self.answers: list[Any] = [None] * len(texts)
+        self.finished = False
+        with engine._cv:
+            engine._askers[id(session)] = engine._askers.get(id(session), 0) + 1
+        try:
+            self._feed()  # together: questions asked at once join the batch in one step
+        except BaseException:
+            self.finished = True
+            engine._ended(self)
+            raise
+
+    def put(self, kind: str, index: int, value: Any) -> None:
+        """From the engine thread: a row's outcome ("done" with the row, or "error")."""
+        self._events.put((kind, index, value))
+
+    def cancel(self) -> None:
+        """Take this request's rows out of the engine at its next step; the events end with Failed(Cancelled)."""
+        if not self.finished:
+            self.engine._cancel(self)
+            self._events.put(("cancel", -1, None))
+
+    def _feed(self) -> None:
+        new = []
+        while self._pending and len(self._mine) + len(new) < self.limit:
+            i, text = self._pending.pop(0)
+            new.append(qs.question(self.session, i, text, self._options, history=self._history, check=self._check,
+                                   prompt=self._prompts[i] if self._prompts else None,
+                                   on_text=lambda t, i=i: self._events.put(("text", i, t))))
+        if new:
+            self.engine._submit(self, new)
+            self._mine.update((q.row.index, q) for q in new)
+            openmp.release()  # this thread waits now; the engine thread computes
+
+    def __iter__(self) -> Iterator[Text | Answered | Done | Failed]:
+        if self.finished:
+            return
+        try:
+            while self._pending or self._mine:
+                kind, i, value = self._events.get()
+                if kind == "text":
+                    yield Text(i, value)
+                elif kind == "done":
+                    answer = self.answers[i] = self._mine.pop(i).answer(self.session, self._start, self.engine.turn)
+                    answer.decoding = self.engine.mode
+                    if self._served:
+                        self._served(i, answer)
+                    self._feed()
+                    yield Answered(i, answer)
+                else:  # "error": the step failed for every row in it, or the engine closed; "cancel"
+                    self._mine.pop(i, None)
+                    self._leave()
+                    yield Failed(Cancelled("the request was cancelled") if kind == "cancel" else value)
+                    return
+            self._leave()
+            yield Done(self.answers)
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        if not self.finished:
+            self.finished = True
+            if self._mine:
+                self.engine._cancel(self)
+            self.engine._ended(self)
+
+    def result(self, on_text: Callable[[int, str], None] | None = None,
+               on_answer: Callable[[int, Any], None] | None = None) -> list[Any]:
+        """Read every event here: on_text(i, text), on_answer(i, answer); the answers in order, or Failed's error
+        raised (a callback that raises cancels the rest)."""
+        with self:
+            for event in self:
+                if isinstance(event, Text):
+                    if on_text:
+                        on_text(event.index, event.text)
+                elif isinstance(event, Answered):
+                    if on_answer:
+                        on_answer(event.index, event.answer)
+                elif isinstance(event, Failed):
+                    raise event.error
+        return self.answers
+
+    def __enter__(self) -> Request:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cancel()
+        self._leave()
 
 
 class _Turn:
@@ -54,11 +150,11 @@ class Engine:
         self.eos = batch.eos_ids(lm.model)
         self.pad_id = batch.padding_id(lm.tokenizer, lm.model)
         self._cv = threading.Condition()
-        self._incoming: list[tuple[Any, qs.Question, queue.SimpleQueue, int]] = []
-        self._leaving: list[Row] = []
+        self._incoming: list[tuple[Request, qs.Question]] = []  # rows submitted, joining at the next step
+        self._cancels: list[Request] = []  # requests cancelled, their rows out at the next step (_take_in)
         self._turns: deque[_Turn] = deque()
         self._decoders: dict[int, tuple[Any, Decoder]] = {}  # id(session) -> (session, its decoder)
-        self._owners: dict[int, tuple[Any, queue.SimpleQueue]] = {}  # id(row) -> (session, its asker's events)
+        self._owners: dict[int, Request] = {}  # id(row) -> the request it answers
         self._askers: dict[int, int] = {}  # id(session) -> askers with questions on it (its decoder stays while any)
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -122,68 +218,24 @@ class Engine:
             openmp.release()  # before the engine steps again
             t.done.set()
 
-    def ask(self, session: Any, texts: Sequence[str], options: Any, *, history: Sequence[Any] = (),
-            limit: int | None = None, check: bool = False, start: float | None = None,
-            on_text: Callable[[int, str], None] | None = None, on_answer: Callable[[int, Any], None] | None = None,
-            cancelled: Callable[[], bool] | None = None, prompts: Sequence[list[int]] | None = None) -> list[Any]:
-        """Answer `texts` on the session's document, at most `limit` of them decoding at once (default: the
-        width), each after `history`. Callbacks run in this thread: on_text(i, text) as text settles,
-        on_answer(i, answer) as each completes. Raises Left once cancelled() says the asker is gone, and
-        whatever a callback raises; either way this asker's rows leave at the next step.
-        prompts: the questions' prompt ids when already tokenized (Session.check_prompt)."""
+    def submit(self, session: Any, texts: Sequence[str], options: Any, *, history: Sequence[Any] = (),
+               limit: int | None = None, check: bool = False, start: float | None = None,
+               prompts: Sequence[list[int]] | None = None, served: Callable[[int, Any], None] | None = None) -> Request:
+        """Ask `texts` on the session's document, at most `limit` of them decoding at once (default: the width),
+        each after `history`; returns the Request to read their events from (its first rows are in already).
+        prompts: the questions' prompt ids when already tokenized (Session.check_prompt); served(i, answer):
+        called as each answer completes, before its event (the warm server's account)."""
         limit = max(1, min(limit or self.width or DEFAULT_WIDTH, self.width or limit or DEFAULT_WIDTH))
-        start = session.clock() if start is None else start
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        pending = list(enumerate(texts))
-        mine: dict[int, qs.Question] = {}
-        answers: list[Any] = [None] * len(texts)
-        next_check = 0.0
-        with self._cv:
-            self._askers[id(session)] = self._askers.get(id(session), 0) + 1
-        try:
-            while pending or mine:
-                new = []
-                while pending and len(mine) + len(new) < limit:
-                    i, text = pending.pop(0)
-                    new.append(qs.question(session, i, text, options, history=history, check=check,
-                                           prompt=prompts[i] if prompts else None, on_text=lambda t, i=i: events.put(("text", i, t))))
-                if new:  # together: questions asked at once join the batch in one step
-                    self._submit(session, new, events, limit)
-                    mine.update((q.row.index, q) for q in new)
-                    openmp.release()  # this thread waits now; the engine thread computes
-                if cancelled and time.monotonic() >= next_check:
-                    if cancelled():
-                        raise Left()
-                    next_check = time.monotonic() + POLL_S
-                try:
-                    kind, i, value = events.get(timeout=POLL_S)
-                except queue.Empty:
-                    continue
-                if kind == "text":
-                    if on_text:
-                        on_text(i, value)
-                elif kind == "done":
-                    answers[i] = mine.pop(i).answer(session, start, self.turn)
-                    answers[i].decoding = self.mode
-                    if on_answer:
-                        on_answer(i, answers[i])
-                else:  # "error": the step failed for every row in it, or the engine closed
-                    mine.pop(i, None)
-                    raise value
-        finally:
-            with self._cv:
-                self._leaving.extend(q.row for q in mine.values())
-                self._askers[id(session)] -= 1
-                if not self._askers[id(session)]:
-                    del self._askers[id(session)]
-                    held = self._decoders.get(id(session))
-                    if held is not None and not held[1].busy and not self._leaving:
-                        del self._decoders[id(session)]  # its suffix buffers go now, not at the engine's next wake-up
-                self._cv.notify()
-        return answers
+        return Request(self, session, texts, options, history=history, limit=limit, check=check,
+                       start=session.clock() if start is None else start, prompts=prompts, served=served)
+
+    def ask(self, session: Any, texts: Sequence[str], options: Any, *, on_text: Callable[[int, str], None] | None = None,
+            on_answer: Callable[[int, Any], None] | None = None, **kw: Any) -> list[Any]:
+        """submit(), then read its events here: on_text(i, text), on_answer(i, answer); the answers, in order."""
+        return self.submit(session, texts, options, **kw).result(on_text, on_answer)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop: every row still waiting or decoding gets Stopped; returns once the thread has ended."""
+        """Stop: every request still waiting or decoding ends with EngineClosed; returns once the thread has ended."""
         with self._cv:
             self._closed = True
             self._cv.notify()
@@ -192,14 +244,32 @@ class Engine:
             thread.join(timeout)
 
     # ---- the engine thread
-    def _submit(self, session: Any, new: list[qs.Question], events: queue.SimpleQueue, limit: int) -> None:
+    def _submit(self, request: Request, new: list[qs.Question]) -> None:
         with self._cv:
             if self._closed:
-                raise Stopped("the engine is stopping")
+                raise EngineClosed("the engine is stopping")
             self.asked += len(new)
-            session.stats["asked"] += len(new)
-            self._incoming += [(session, q, events, limit) for q in new]
+            request.session.stats["asked"] += len(new)
+            self._incoming += [(request, q) for q in new]
             self._start()
+            self._cv.notify()
+
+    def _cancel(self, request: Request) -> None:
+        """The request's rows leave at the engine's next wake-up (its one point for cancels, in _take_in)."""
+        with self._cv:
+            self._cancels.append(request)
+            self._cv.notify()
+
+    def _ended(self, request: Request) -> None:
+        """A request was read to its end (or left): its document's decoder goes once no other asker holds it."""
+        session = request.session
+        with self._cv:
+            self._askers[id(session)] -= 1
+            if not self._askers[id(session)]:
+                del self._askers[id(session)]
+                held = self._decoders.get(id(session))
+                if held is not None and not held[1].busy and not self._cancels:
+                    del self._decoders[id(session)]  # its suffix buffers go now, not at the engine's next wake-up
             self._cv.notify()
 
     def _start(self) -> None:
@@ -223,22 +293,28 @@ class Engine:
 
     def _take_in(self) -> tuple[list[tuple[Any, Decoder]], _Turn | None]:
         """Under _cv: new rows in, leaving rows out; the documents to step and the turn to grant."""
-        for session, q, events, limit in self._incoming:
+        if self._cancels:  # the one point where cancelled requests leave: queued rows and decoding rows alike
+            gone = {id(r) for r in self._cancels}
+            self._incoming = [(r, q) for r, q in self._incoming if id(r) not in gone]
+            for _session, decoder in self._decoders.values():
+                for row in list(decoder.rows):
+                    owner = self._owners.get(id(row))
+                    if owner is not None and id(owner) in gone:
+                        del self._owners[id(row)]
+                        decoder.drop(row)
+            self._cancels.clear()
+        for request, q in self._incoming:
+            session = request.session
             key = id(session)
             if key not in self._decoders:
                 try:
-                    self._decoders[key] = (session, self._decoder(session, self.width or limit))
+                    self._decoders[key] = (session, self._decoder(session, self.width or request.limit))
                 except Exception as exc:  # states that cannot be decoded: this asker hears why, the engine goes on
-                    events.put(("error", q.row.index, exc))
+                    request.put("error", q.row.index, exc)
                     continue
             self._decoders[key][1].add(q.row)
-            self._owners[id(q.row)] = (session, events)
+            self._owners[id(q.row)] = request
         self._incoming.clear()
-        for row in self._leaving:
-            owner = self._owners.pop(id(row), None)
-            if owner is not None:
-                self._decoders[id(owner[0])][1].drop(row)
-        self._leaving.clear()
         for key in [k for k, (_s, d) in self._decoders.items() if not d.busy and k not in self._askers]:
             del self._decoders[key]  # its suffix buffers go; the document's states are the Session's
         work = [(s, d) for s, d in self._decoders.values() if d.busy]
@@ -265,16 +341,15 @@ class Engine:
 
     def _has_work(self) -> bool:
         """Under _cv: anything for the engine thread to do (rows in or out, a turn, rows to step, closing)."""
-        return bool(self._incoming or self._leaving or self._turns or self._closed
+        return bool(self._incoming or self._cancels or self._turns or self._closed
                     or any(d.busy for _s, d in self._decoders.values()))
 
     def _step(self, session: Any, decoder: Decoder) -> None:
         try:
             finished = decoder.step()
         except Exception as exc:  # handed to every asker in this document's batch; the engine goes on
-            for row in decoder.rows:
-                _s, events = self._owners.pop(id(row))
-                events.put(("error", row.index, exc))
+            for row in list(decoder.rows):
+                self._owners.pop(id(row)).put("error", row.index, exc)
                 decoder.drop(row)
             return
         self.steps += 1
@@ -282,15 +357,14 @@ class Engine:
         self.peak_rows = max(self.peak_rows, decoder.last_rows)
         session.stats["peak_rows"] = max(session.stats["peak_rows"], decoder.last_rows)
         for row in finished:
-            _s, events = self._owners.pop(id(row))
-            events.put(("done", row.index, row))
+            self._owners.pop(id(row)).put("done", row.index, row)
 
     def _stop_all(self) -> None:
-        """Under _cv, closing: every asker still waiting hears Stopped; turns are granted so nobody hangs."""
-        rows = [(q.row, events) for _s, q, events, _l in self._incoming]
-        rows += [(r, self._owners[id(r)][1]) for _s, d in self._decoders.values() for r in d.rows if id(r) in self._owners]
-        for row, events in rows:
-            events.put(("error", row.index, Stopped("the server stopped before the answer was complete")))
+        """Under _cv, closing: every request still waiting ends with EngineClosed; turns are granted so nobody hangs."""
+        rows = [(q.row, r) for r, q in self._incoming]
+        rows += [(row, self._owners[id(row)]) for _s, d in self._decoders.values() for row in d.rows if id(row) in self._owners]
+        for row, request in rows:
+            request.put("error", row.index, EngineClosed("the server stopped before the answer was complete"))
         self._incoming.clear()
         self._decoders.clear()
         self._owners.clear()
