@@ -79,8 +79,8 @@ def test_max_memory_holds_while_questions_run(tiny, monkeypatch):
     seen: list[dict] = []
     with warm.session(folder / "a.kv", model=spec) as lease:
         monkeypatch.setattr(engine_for(lease.session.lm), "batched", True)  # rows of a batch: suffix buffers
-        lease.ask_many([f"{Q} ({i})" for i in range(4)], kvcli.GenerationOptions(max_new_tokens=120),
-                       on_answer=lambda i, a: seen.append(warm.status()))
+        lease.submit([f"{Q} ({i})" for i in range(4)], kvcli.GenerationOptions(max_new_tokens=120)).result(
+            on_answer=lambda i, a: seen.append(warm.status()))
     during = seen[0]
     a_during = next(c["bytes"] for c in during["caches"] if c["path"].endswith("a.kv"))
     assert a_during > held["a.kv"]  # the batch's suffix buffers are counted while they are held

@@ -252,7 +252,7 @@ def test_concurrent_clients_each_get_their_own_answer(here, world, server):
         t.join(timeout=120)
     for i, (cache, q) in enumerate(jobs):
         answers = [e["answer"] for e in results[i] if e["event"] == "answer"]
-        assert results[i][-1] == {"v": 1, "event": "done", "exit_code": 0}
+        assert results[i][-1] == {"v": protocol.PROTOCOL_VERSION, "event": "done", "exit_code": 0}
         assert answers[0]["answer_token_ids"] == _reference(world, here / cache, q, 10)
         assert "".join(e["text"] for e in results[i] if e["event"] == "text") == answers[0]["answer"]
 
@@ -276,7 +276,7 @@ def test_hostile_clients_affect_nobody_else(here, world, server):
     quitter.sendall(protocol.encode({"op": "ask", "caches": [str(here / "ref-a.kv")], "questions": ["Go on"], "options": {"max_new_tokens": 4000}}))
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # connects and never sends a whole line
     silent.connect(str(path))
-    silent.sendall(b'{"v": 1, "op"')
+    silent.sendall(b'{"v": 2, "op"')
     reader = quitter.makefile("rb")
     assert json.loads(reader.readline())["event"] == "accepted"
     reader.readline()

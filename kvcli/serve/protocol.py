@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_LINE = 4 << 20  # longest request line the server reads (bytes); longer ones are refused
 MAX_EVENT_LINE = 64 << 20  # longest event line a client accepts (an answer with every prompt id)
 SOCKET_NAME = "kvcli.sock"
