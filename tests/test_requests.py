@@ -4,7 +4,6 @@ submission read as typed events, ended early by cancel() or by the engine closin
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -12,17 +11,11 @@ import kvcli
 from kvcli.engine.scheduling.requests import Answered, Cancelled, Done, EngineClosed, Failed, Text
 from kvcli.engine.scheduling.scheduler import Engine
 from tests.test_architectures import arch  # noqa: F401  (the module's tiny-model fixture)
+from tests.test_engine import _wait
 
 QUESTIONS = ("What does the word Licensor mean?", "Who?", "Is the Work provided with any warranty?")
 OPTS = kvcli.GenerationOptions(max_new_tokens=10)
 LONG = kvcli.GenerationOptions(max_new_tokens=500)
-
-
-def _wait(condition, timeout=60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def test_events_come_in_order_and_end_with_one_done(arch):
