@@ -74,6 +74,10 @@ class CacheMismatchError(CacheError):
     """The cache was built for another model, tokenizer, dtype or prompt framing."""
 
 
+class BlendError(CacheError):
+    """These caches cannot be blended into one prompt: the model's keys cannot move, or the caches do not join."""
+
+
 class CacheExistsError(KvcliError):
     """Refusing to replace an existing cache without --force."""
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..errors import UsageError
 from ..format import store
 from .cache import restore
 from .model import fit
@@ -22,26 +23,51 @@ from .decoding.batch import eos_ids
 from .decoding.request import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS, Answer, GenerationOptions, prompt_room  # noqa: F401  (the API's names)
 
 TokenFn = Callable[[str], None]  # receives answer text as it becomes final
+CacheArg = str | os.PathLike | store.OpenedCache
 
 
 class Session:
     """One cache opened against one loaded model, ready for any number of questions, from any thread."""
 
-    def __init__(self, lm: LoadedModel, cache: str | os.PathLike | store.OpenedCache, *, convert_dtype: bool = False):
+    def __init__(self, lm: LoadedModel, cache: CacheArg | Sequence[CacheArg], *, convert_dtype: bool = False,
+                 blend: float | None = None):
         """cache: a folder, or a cache already opened (ModelPool.session, the warm server), whose shards this
-        restores and then closes."""
+        restores and then closes. blend=FRACTION with several caches: one prompt of their documents in order
+        (engine/cache/blend.py; approximate, `blended` says how), FRACTION of each later document recomputed."""
+        from contextlib import ExitStack
+
         t0 = time.perf_counter()
         self.lm = lm
-        opened = cache if isinstance(cache, store.OpenedCache) else store.open_cache(cache)
-        self.path = opened.path
-        with opened:
-            self.manifest = opened.manifest
-            fit.check_fits(self.manifest, lm, str(self.path), convert_dtype=convert_dtype)
-            # the document (rows decoded one at a time grow it, then rewind)
-            self.cache = restore.load_cache(opened, device=lm.device, dtype=lm.dtype)
-        self.framing = fr.Framing.from_record(self.manifest.framing)
-        self.warnings = (_version_warnings(self.manifest, self.path) + _provenance_warnings(self.manifest, lm, self.path)
-                         + _dtype_warnings(self.manifest, lm, self.path))
+        caches = list(cache) if isinstance(cache, (list, tuple)) else [cache]
+        if blend is None and len(caches) != 1:
+            raise UsageError("several caches make one prompt only when blended (blend=FRACTION, --blend)")
+        self.blended: dict | None = None  # with blend: {documents, recompute, recomputed_tokens, moved_tokens, caches}
+        with ExitStack() as held:
+            opened = [held.enter_context(c if isinstance(c, store.OpenedCache) else store.open_cache(c)) for c in caches]
+            self.path = opened[0].path
+            self.manifest = opened[0].manifest
+            for o in opened:
+                fit.check_fits(o.manifest, lm, str(o.path), convert_dtype=convert_dtype)
+            if blend is None:
+                # the document (rows decoded one at a time grow it, then rewind)
+                self.cache = restore.load_cache(opened[0], device=lm.device, dtype=lm.dtype)
+                self._token_ids = self.manifest.token_ids
+                self.framing = fr.Framing.from_record(self.manifest.framing)
+                self.storage = self.manifest.storage
+            else:
+                from .cache import blend as bl
+
+                made = bl.compose(lm, opened, blend)
+                self.cache, self._token_ids, self.framing, self.storage = made.cache, made.token_ids, made.framing, made.storage
+                self.blended = made.record()
+        self.warnings = []
+        for o in opened:
+            self.warnings += (_version_warnings(o.manifest, o.path) + _provenance_warnings(o.manifest, lm, o.path)
+                              + _dtype_warnings(o.manifest, lm, o.path))
+        if self.blended is not None:
+            self.warnings.append(f"{' + '.join(str(o.path) for o in opened)}: {len(opened)} caches blended into one prompt, "
+                                 f"{self.blended['recompute']:g} of each later document recomputed: answers are approximate "
+                                 "(--check measures them against a full recompute)")
         from .scheduling.scheduler import engine_for
 
         engine_for(lm).batched  # noqa: B018  decided now (the probe, once per model), not inside the first question
@@ -60,7 +86,8 @@ class Session:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.manifest.token_ids
+        """The cached prompt's ids: the document's, or the blended documents' composed prompt."""
+        return self._token_ids
 
     @property
     def states(self):
@@ -161,13 +188,21 @@ class ModelPool:
         self.trust_remote_code, self.progress = trust_remote_code, progress
         self._loaded: dict[str, LoadedModel] = {}
 
-    def session(self, path: str | os.PathLike, *, where: str | None = None, convert_dtype: bool = False) -> Session:
+    def session(self, path: str | os.PathLike | Sequence[str | os.PathLike], *, where: str | None = None,
+                convert_dtype: bool = False, blend: float | None = None) -> Session:
         """The Session for one request's cache: its manifest read and checked against the request once (a
         refusal loads nothing), the model it needs loaded, its shards opened once and restored. where: the
-        cache as messages name it."""
-        with store.open_cache(path) as opened:
-            fit.check_request(opened.manifest, where or str(path), dtype=self.dtype, convert_dtype=convert_dtype)
-            return Session(self.for_manifest(opened.manifest), opened, convert_dtype=convert_dtype)
+        cache as messages name it. blend: several paths blended into one prompt (Session)."""
+        from contextlib import ExitStack
+
+        paths = list(path) if isinstance(path, (list, tuple)) else [path]
+        with ExitStack() as held:
+            opened = [held.enter_context(store.open_cache(p)) for p in paths]
+            for o, p in zip(opened, paths):
+                fit.check_request(o.manifest, (where if len(paths) == 1 else None) or str(p), dtype=self.dtype,
+                                  convert_dtype=convert_dtype)
+            lm = self.for_manifest(opened[0].manifest)
+            return Session(lm, opened if blend is not None else opened[0], convert_dtype=convert_dtype, blend=blend)
 
     def fits(self, manifest, where: str, *, convert_dtype: bool = False) -> None:
         """Refuse (CacheMismatchError) a cache, by its manifest alone, that the model it would be answered
@@ -188,8 +223,9 @@ class ModelPool:
         return self._loaded[key]
 
 
-def ask(lm: LoadedModel, cache: str | os.PathLike, questions: Sequence[str], options: GenerationOptions | None = None,
-        *, check: bool = False) -> list[Answer]:
-    """Convenience: open a cache and answer several questions from it (check: see Session.ask)."""
-    session = Session(lm, cache)
+def ask(lm: LoadedModel, cache: str | os.PathLike | Sequence[str | os.PathLike], questions: Sequence[str],
+        options: GenerationOptions | None = None, *, check: bool = False, blend: float | None = None) -> list[Answer]:
+    """Convenience: open a cache and answer several questions from it (check: see Session.ask). blend=FRACTION
+    with several caches: one prompt of their documents in order, blended (approximate; Session)."""
+    session = Session(lm, cache, blend=blend)
     return [session.ask(q, options, check=check) for q in questions]

@@ -5,7 +5,7 @@ is generated (generate's output_logits). The reference is one forward over promp
 cache, teacher-forced: at each answer step both paths see exactly the same ids, so their logits can be
 compared position by position. Greedy answers are identical as long as both pick the same top token at
 every step; where they do not, the top two logits nearly tie (within twice the largest difference).
-An 8-/4-bit cache is lossy, so there differences are expected: the check then reports how closely the
+An 8-/4-bit cache is lossy, and a blend of several caches approximate, so there differences are expected: the check then reports how closely the
 answer follows the recompute (share of positions with the same top token, mean KL divergence).
 """
 
@@ -45,6 +45,7 @@ class Check:
     kl_mean: float = 0.0  # mean KL(recompute || cached) of the next-token distributions, in nats
     storage: str = "lossless"  # the cache's storage (manifest): "8-bit"/"4-bit" are lossy, differences expected
     weights: str = "float"  # the model's (engine/model/stored.py): "q8", "q4" are approximate, differences expected
+    blended: dict[str, Any] | None = None  # several caches blended (engine/cache/blend.py): approximate, differences expected
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,10 +53,12 @@ class Check:
     def describe(self) -> str:
         """One line for people (the CLI prints it on stderr)."""
         diff = f"largest logit difference {self.max_logit_diff:.3g}"
-        if self.storage != "lossless" or self.weights != "float":  # approximate: the agreement is the news
+        if self.storage != "lossless" or self.weights != "float" or self.blended:  # approximate: the agreement is the news
             same = self.tokens - len(self.divergences)
             where = "" if self.identical else f", first differs at answer token {self.first_divergence}"
-            what = (f"{self.storage} cache (lossy" if self.storage != "lossless"
+            what = (f"{self.blended['documents']} caches blended ({self.blended['recompute']:g} recomputed"
+                    + (f", {self.storage} storage" if self.storage != "lossless" else "") if self.blended
+                    else f"{self.storage} cache (lossy" if self.storage != "lossless"
                     else f"{self.weights} weights (bfloat16 activations make the cut between cache and question visible")
             return (f"{what}, differences expected): {'identical' if self.identical else 'DIFFERS'}; "
                     f"top token agrees with a full recompute at {same} of {self.tokens} answer tokens ({self.agreement:.1%}){where}; "
@@ -68,9 +71,10 @@ class Check:
 
 
 def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int], cached_logits: Any,
-            storage: str = "lossless") -> Check:
+            storage: str = "lossless", blended: dict[str, Any] | None = None) -> Check:
     """Compare the cached path's logits [answer, vocab] with one uncached forward over the same ids
-    (`storage`: the cache's, from its manifest; lossy ones are described as such)."""
+    (`storage`: the cache's, from its manifest; lossy ones are described as such; `blended`: the blend's
+    record, for a cache of several documents blended into one prompt)."""
     import torch
 
     from ..format.codec import dtype_name
@@ -79,7 +83,7 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int
     if n == 0:
         return Check(identical=True, tokens=0, first_divergence=None, max_logit_diff=0.0,
                      dtype=dtype_name(lm.dtype), device=lm.device.type, storage=storage,
-                     weights=lm.weights)
+                     weights=lm.weights, blended=blended)
     ids = torch.tensor([list(prompt_ids) + list(answer_ids[:-1])], device=lm.device)  # [1, prompt + answer - 1]
     with torch.inference_mode():
         # logits_to_keep=n: only the positions that predict answer tokens, [1, n, vocab]
@@ -116,6 +120,7 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], answer_ids: Sequence[int
         kl_mean=float(kl.mean()),
         storage=storage,
         weights=lm.weights,
+        blended=blended,
     )
 
 

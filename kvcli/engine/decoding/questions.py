@@ -82,7 +82,7 @@ class Question:
 
             with (turn or nullcontext)():
                 checked = ck.compare(session.lm, r.prompt, r.answer, torch.stack(r.logits) if r.logits else None,
-                                     storage=session.manifest.storage)
+                                     storage=session.storage, blended=session.blended)
         return Answer(
             question=self.text,
             answer=self.stream.text,
@@ -96,6 +96,7 @@ class Question:
             finish_reason=r.finish_reason,
             cache=str(session.path),
             check=checked,
+            blended=session.blended,
             history=[{"question": q, "answer": a} for q, a in self.history],
         )
 

@@ -26,16 +26,19 @@ class Answer:
     cache: str = ""
     check: Check | None = None  # with ask(check=True): this answer measured against a full recompute
     history: list[dict[str, str]] = field(default_factory=list)  # earlier {question, answer} turns, oldest first
+    blended: dict[str, Any] | None = None  # from a blend of several caches (approximate): documents, recompute, ...
     decoding: str = ""  # how the model's engine ran it: "batched" (rows share forward passes) or "one at a time"
 
     def to_json(self) -> dict[str, Any]:
         """JSON of the answer; `check` appears only when measured, `history` only for a follow-up (so one
-        line can be fed back)."""
+        line can be fed back), `blended` only for a blend of several caches."""
         body = asdict(self)
         if self.check is None:
             del body["check"]
         if not body["history"]:
             del body["history"]
+        if self.blended is None:
+            del body["blended"]
         return body
 
 

@@ -149,6 +149,16 @@ def _token_starts(enc: Any, end: int) -> list[int] | None:
     return starts
 
 
+def head_ids(tokenizer: Any, framing: Framing) -> list[int]:
+    """The ids every document of this framing starts with, tokenized alone: chat, the template up to the
+    document; plain, the tokenizer's own start (BOS, if it adds one) and the system text."""
+    if framing.kind == "plain":
+        text = framing.system.strip() + SEPARATOR if framing.system else ""
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    head, _middle, _tail = _pieces(tokenizer, framing)
+    return list(tokenizer(head, add_special_tokens=False)["input_ids"])
+
+
 def document_ids(tokenizer: Any, framing: Framing, document: str) -> list[int]:
     """Token ids of everything before the question: what the cache holds."""
     return split_document(tokenizer, framing, document)[0]
