@@ -18,7 +18,7 @@ from typing import Any
 from .errors import CHECK_DIFFERS_EXIT, KvcliError
 
 Emit = Callable[[dict[str, Any]], None]
-Opener = Callable[[str], AbstractContextManager]  # cache path -> a context lending its Session
+Opener = Callable[[Any], AbstractContextManager]  # cache path (a tuple of paths when blended) -> a context lending its Session
 
 
 def room_warning(path: str, room: int, max_new_tokens: int) -> str | None:
@@ -32,24 +32,27 @@ def room_warning(path: str, room: int, max_new_tokens: int) -> str | None:
 def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[str], options: Any, *, emit: Emit,
                history_for: Callable[[Any], Sequence[Any]] = lambda _s: (), batch_size: int | None = None,
                check: bool = False, stream: bool = True, watch: Callable[[Any], AbstractContextManager] = lambda _r: nullcontext(),
-               shown: Callable[[str], str] = str) -> int:
+               shown: Callable[[str], str] = str, blend: bool = False) -> int:
     """Answer every question from every cache, emitting events; returns the exit code.
 
     One cache that fails is an error event and the next cache goes on (the only cache failing raises);
     answers come in question order, the first unfinished one streaming (text events) while later ones,
     decoded in the same batch, are held until it completes. shown(path): a path as messages print it.
     watch(request): a context held while each cache's request is read (a socket server's: it cancels the
-    request when the client hangs up); the events are read in this thread."""
+    request when the client hangs up); the events are read in this thread. blend: the caches make one prompt
+    (open_session receives them as one tuple; messages name them joined by " + ")."""
     from .engine.decoding.questions import in_order
 
     first_error: KvcliError | None = None
     differs = False
-    for index, path in enumerate(caches):
+    groups: list[Any] = [tuple(caches)] if blend else list(caches)
+    label = (lambda p: " + ".join(shown(c) for c in p)) if blend else shown
+    for index, path in enumerate(groups):
         held = open_session(path)
         try:
             session = held.__enter__()
         except KvcliError as exc:
-            if len(caches) == 1:
+            if len(groups) == 1:
                 raise
             emit({"event": "error", "message": str(exc), "hint": exc.hint, "exit_code": exc.exit_code})
             first_error = first_error or exc
@@ -62,7 +65,7 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
             for q in questions:
                 ids, room = session.check_prompt(q, history, options)  # a prompt that does not fit: refused before any answer begins
                 prompts.append(ids)
-                warning = room_warning(shown(path), room, options.max_new_tokens)
+                warning = room_warning(label(path), room, options.max_new_tokens)
                 if warning:
                     emit({"event": "warning", "message": warning})
 
@@ -71,11 +74,11 @@ def ask_events(open_session: Opener, caches: Sequence[str], questions: Sequence[
                 emit({"event": "answer", "index": index, "answer": a.to_json()})
                 if a.check is not None:
                     differs = differs or not a.check.identical
-                    emit({"event": "check", "index": index, "message": f"kvcli: check: {shown(path)}: {a.check.describe()}"})
+                    emit({"event": "check", "index": index, "message": f"kvcli: check: {label(path)}: {a.check.describe()}"})
 
             on_text, on_answer = in_order(
                 len(questions), lambda i, index=index, path=path: emit({"event": "begin", "index": index, "question": questions[i],
-                                                                        "cache": path}),
+                                                                        "cache": label(path) if blend else path}),
                 finish, (lambda t: emit({"event": "text", "text": t})) if stream else None)
             request = session.submit(list(questions), options, batch_size=batch_size, check=check, history=history, prompts=prompts)
             with watch(request):

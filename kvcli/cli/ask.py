@@ -41,6 +41,11 @@ def ask(
                                         "(costs a full recompute of the document per question); exit 4 if an answer differs.")] = False,
     follow_up: FollowUpOpt = None,
     batch_size: Annotated[int, typer.Option(min=1, metavar="N", help="Questions decoded together on one document (1: one by one; more answer several questions in less time than one by one).")] = DEFAULT_BATCH,
+    blend: Annotated[bool, typer.Option("--blend", help="Make ONE prompt of the caches' documents in the order given, then the question, "
+                                        "from their caches (approximate: --check measures it; docs/composing.md).")] = False,
+    recompute: Annotated[Optional[float], typer.Option(metavar="FRACTION", help="With --blend: the share of each later document "
+                                                      "recomputed so it sees the documents before it (0: none; 1: exact, as slow "
+                                                      "as a recompute; default 0.15).", show_default=False)] = None,
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
@@ -52,6 +57,17 @@ def ask(
         raise UsageError("--cache is required (the cache to answer from; make one with kvcli prefill DOC)")
     from ..generation import check_options, check_trust
 
+    if recompute is not None and not blend:
+        raise UsageError("--recompute is the share of each document recomputed by --blend: add --blend")
+    if blend and len(cache) < 2:
+        raise UsageError("--blend makes one prompt of several caches: give --cache at least twice")
+    if blend and follow_up:
+        raise UsageError("--follow-up cannot continue a blended prompt: ask the follow-up with the documents blended again")
+    fraction = None
+    if blend:
+        from ..engine.cache.blend import DEFAULT_RECOMPUTE, check_fraction
+
+        fraction = check_fraction(DEFAULT_RECOMPUTE if recompute is None else recompute)
     checked = check_options({"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
                              "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size})
     if str(follow_up) == "-" and (questions_file == "-" or not questions):
@@ -63,7 +79,9 @@ def ask(
 
     if check and server:
         raise UsageError("--check recomputes every prompt in this process: it cannot go through a server (drop --server)")
-    if server is not False and not check and not any(is_url(c) for c in cache):  # a running `kvcli serve` answers without importing torch
+    if blend and server:
+        raise UsageError("--blend runs in this process: it cannot go through a server (drop --server)")
+    if server is not False and not check and not blend and not any(is_url(c) for c in cache):  # a running `kvcli serve` answers without importing torch
         options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
                    "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size}
         fields = {"caches": [os.path.abspath(c) for c in cache], "questions": qs, "options": options, "model": served.client_model(model),
@@ -87,16 +105,22 @@ def ask(
     loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
 
     @contextmanager
-    def open_session(path: str):
-        local = local_cache(path, out, check=lambda m: loader.fits(m, shown(path), convert_dtype=convert_dtype))
-        with out.status(f"loading {path}"):
-            session = loader.session(local, where=shown(path), convert_dtype=convert_dtype)
+    def open_session(path):
+        if blend:  # a tuple of caches, blended into one prompt
+            locals_ = [local_cache(p, out, check=lambda m, p=p: loader.fits(m, shown(p), convert_dtype=convert_dtype)) for p in path]
+            with out.status(f"blending {len(path)} caches"):
+                session = loader.session(locals_, convert_dtype=convert_dtype, blend=fraction)
+        else:
+            local = local_cache(path, out, check=lambda m: loader.fits(m, shown(path), convert_dtype=convert_dtype))
+            with out.status(f"loading {path}"):
+                session = loader.session(local, where=shown(path), convert_dtype=convert_dtype)
         yield session
 
     def history_for(session) -> list:
         return conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier is not None else []
 
-    render = AskRenderer(out, [shown(c) for c in cache], questions=len(qs), json_out=json_out, null=null, max_new_tokens=max_new_tokens)
+    names = [" + ".join(shown(c) for c in cache)] if blend else [shown(c) for c in cache]
+    render = AskRenderer(out, names, questions=len(qs), json_out=json_out, null=null, max_new_tokens=max_new_tokens)
     return ask_events(open_session, cache, qs, opts, emit=render, history_for=history_for, batch_size=batch_size, check=check,
-                      stream=not json_out, shown=shown)
+                      stream=not json_out, shown=shown, blend=blend)
 
