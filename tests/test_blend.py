@@ -215,3 +215,46 @@ def test_cli_refusals_and_their_exit_codes(cli_caches, tmp_path, tokenizer):
     m = doc.with_suffix(".kv")
     assert_clean_error(run("ask", "-c", m, "-c", m, "--blend", "q"), 3, "sliding-window")
     assert_clean_error(run("ask", "-c", a, "-c", m, "--blend", "q"), 3, "another model")
+
+
+# ---- HTTP: a request names several documents (extra_body)
+
+
+def test_http_documents_field_blends_the_caches(tiny_model_dir, tmp_path):
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("sse_starlette")
+    openai = pytest.importorskip("openai")
+    from kvcli.serve import http
+    from kvcli.serve.docs import DocsProvider
+
+    lm = kvcli.load(str(tiny_model_dir))
+    a, b = _prefill_all(lm, tmp_path, slices=SLICES[:2])
+    alone = kvcli.Session(lm, [a, b], blend=1.0).ask(QUESTIONS[0], OPTS)
+    srv = http.start("127.0.0.1", 0, provider=DocsProvider([tmp_path]))
+    try:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": QUESTIONS[0]}]
+        got = client.chat.completions.create(model="kvcli-blend", messages=messages, max_tokens=MAX_NEW,
+                                             extra_body={"documents": [a.name, b.name], "recompute": 1.0})
+        assert got.choices[0].message.content == alone.answer
+        assert got.usage.prompt_tokens == len(alone.prompt_token_ids)
+        blended = got.model_extra["kvcli"]["blended"]
+        assert blended["documents"] == 2 and blended["recompute"] == 1.0 and "caches" not in blended  # no server paths
+        first = client.chat.completions.create(model=a.name, messages=messages, max_tokens=MAX_NEW,
+                                               extra_body={"documents": [a.name, b.name]})  # the first's id, the default fraction
+        assert first.model_extra["kvcli"]["blended"]["recompute"] == blend.DEFAULT_RECOMPUTE
+        for extra, status, param in (({"documents": [a.name]}, 400, "documents"),
+                                     ({"documents": [a.name, b.name], "recompute": 2}, 400, "recompute"),
+                                     ({"recompute": 0.5}, 400, "recompute"),
+                                     ({"documents": [a.name, "nope.kv"]}, 404, "documents")):
+            with pytest.raises(openai.APIStatusError) as err:
+                client.chat.completions.create(model="kvcli-blend" if "documents" in extra else a.name, messages=messages,
+                                               max_tokens=MAX_NEW, extra_body=extra)
+            assert err.value.status_code == status and err.value.body["param"] == param
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(model=b.name, messages=messages, max_tokens=MAX_NEW,
+                                           extra_body={"documents": [a.name, b.name]})
+        assert err.value.status_code == 400 and err.value.body["param"] == "model"
+    finally:
+        srv.stop()

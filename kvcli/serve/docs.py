@@ -42,6 +42,9 @@ class Provider(Protocol):
 
         The caller calls `release()` on the result once, when it no longer uses the session."""
 
+    def open_blend(self, model_ids: Sequence[str], recompute: float) -> Opened | None:
+        """The Session of these caches blended into one prompt (None if an id names no cache); as open()."""
+
 
 def catalog_ids(folders: Sequence[Path]) -> list[tuple[str, dict[str, Any]]]:
     """(id, row) for every cache under the folders whose manifest is valid (a broken one would only answer 409):
@@ -92,9 +95,18 @@ class WarmProvider:
         path = resolve(self.folders, model_id)
         if path is None:
             return None
+        return self._lend(path)
+
+    def open_blend(self, model_ids: Sequence[str], recompute: float) -> Opened | None:
+        paths = [resolve(self.folders, i) for i in model_ids]
+        if any(p is None for p in paths):
+            return None
+        return self._lend(tuple(paths), blend=recompute)
+
+    def _lend(self, path: Path | tuple, blend: float | None = None) -> Opened:
         self.on_use()
         self.warm.count("http_requests")
-        held = self.warm.session(path, **self._open_args)
+        held = self.warm.session(path, **self._open_args, blend=blend)
         lease = held.__enter__()  # CacheError here: nothing is held
 
         def release() -> None:

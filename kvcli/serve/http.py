@@ -130,13 +130,21 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
 
         return wrapped
 
-    async def open_model(model_id: str) -> Opened:
+    async def open_model(model_id: str, documents: list[str] | None = None, recompute: float | None = None) -> Opened:
         try:
-            opened = await run_in_threadpool(provider.open, model_id)
+            if documents is not None:  # several caches blended into one prompt (engine/cache/blend.py)
+                opened = await run_in_threadpool(provider.open_blend, documents, recompute)
+            else:
+                opened = await run_in_threadpool(provider.open, model_id)
         except CacheError as exc:
-            raise oa.ApiError(409, hidden(str(exc)), param="model", code="cache_unusable") from None
+            raise oa.ApiError(409, hidden(str(exc)), param="documents" if documents else "model", code="cache_unusable") from None
+        except PromptTooLongError as exc:  # blended documents past the model's positions
+            raise oa.ApiError(400, f"documents: {exc.reason}", param="documents", code="context_length_exceeded") from None
         except KvcliError as exc:
             raise oa.ApiError(500, hidden(str(exc)), type="server_error", code="model_unavailable") from None
+        if opened is None and documents is not None:
+            raise oa.ApiError(404, "documents: a document names no cache (see GET /v1/models)", param="documents",
+                              code="model_not_found")
         if opened is None:
             raise oa.ApiError(404, f"model '{model_id}' does not exist: no such cache (see GET /v1/models)",
                               param="model", code="model_not_found")
@@ -175,7 +183,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
         except ValueError:
             raise oa.ApiError(400, "the request body is not valid JSON") from None
         req = oa.parse_chat(body, max_tokens=max_tokens)
-        opened = await open_model(req.model)
+        opened = await open_model(req.model, req.documents, req.recompute)
         release = _once(opened.release)
         try:
             session = opened.session

@@ -16,6 +16,7 @@ from ..engine.prompt import conversation
 from ..errors import ConversationError
 from ..generation import OptionError, check_options
 
+BLEND_MODEL = "kvcli-blend"  # the model id a request blending `documents` may name instead of the first document
 HTTP_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop"}
 
 
@@ -45,6 +46,8 @@ class ChatRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    documents: list[str] | None = None  # caches blended into one prompt, in order (kvcli's field; `model` is BLEND_MODEL or the first)
+    recompute: float | None = None  # with documents: the share of each later document recomputed
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -102,10 +105,30 @@ def parse_chat(body: Any, *, max_tokens: int | None = None) -> ChatRequest:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("response_format", "only {\"type\": \"text\"} is supported")
-    return ChatRequest(model=model, system=system, history=history, question=question,
+    documents, recompute = _documents(body, model)
+    if documents is not None and history:
+        raise _bad("documents", "a blended prompt answers one question: send the question without earlier turns")
+    return ChatRequest(model=model, system=system, history=history, question=question, documents=documents, recompute=recompute,
                        max_tokens=checked.get("max_new_tokens"), temperature=checked.get("temperature") or 0.0,
                        top_p=checked.get("top_p", 1.0), seed=checked.get("seed"), stop=checked.get("stop", ()),
                        stream=bool(stream), include_usage=bool(options.get("include_usage")))
+
+
+def _documents(body: dict, model: str) -> tuple[list[str] | None, float | None]:
+    """kvcli's `documents` (cache ids blended into one prompt, in order) and `recompute` fields, checked."""
+    from ..engine.cache.blend import DEFAULT_RECOMPUTE
+
+    documents, recompute = body.get("documents"), body.get("recompute")
+    if documents is None:
+        if recompute is not None:
+            raise _bad("recompute", "only with documents (the caches blended into one prompt)")
+        return None, None
+    if not isinstance(documents, list) or len(documents) < 2 or not all(isinstance(d, str) and d for d in documents):
+        raise _bad("documents", "must be a list of at least two cache ids (see GET /v1/models)")
+    if model not in (BLEND_MODEL, documents[0]):
+        raise _bad("model", f"with documents: '{BLEND_MODEL}' or the first document's id")
+    fraction = _number(body, "recompute", 0, 1)
+    return documents, DEFAULT_RECOMPUTE if fraction is None else fraction
 
 
 def model_entry(model_id: str, row: dict[str, Any], scrub=lambda text: text) -> dict[str, Any]:
@@ -137,7 +160,8 @@ def completion(cid: str, model: str, answer) -> dict[str, Any]:
         "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.answer},
                      "finish_reason": answer.finish_reason, "logprobs": None}],
         "usage": usage(answer),
-        "kvcli": {"ttft_s": answer.ttft_s, "total_s": answer.total_s, "processed_tokens": answer.processed_tokens},
+        "kvcli": {"ttft_s": answer.ttft_s, "total_s": answer.total_s, "processed_tokens": answer.processed_tokens,
+                  **({"blended": {k: v for k, v in answer.blended.items() if k != "caches"}} if answer.blended else {})},
     }
 
 

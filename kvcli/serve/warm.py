@@ -127,19 +127,23 @@ class Warm:
 
     # ---- public API
     @contextmanager
-    def session(self, cache: str | os.PathLike, *, model: str | None = None, revision: str | None = None,
+    def session(self, cache: str | os.PathLike | tuple, *, model: str | None = None, revision: str | None = None,
                 device: str = "auto", dtype: str | None = None, trust_remote_code: bool = False,
-                convert_dtype: bool = False, progress: Note | None = None) -> Iterator[Lease]:
-        """Lend the Session for `cache` (restored now if not held or replaced since), as ModelPool + Session would."""
-        path = Path(os.path.abspath(cache))
-        request = json.dumps(["cache", str(path), model, revision, device, dtype, trust_remote_code, convert_dtype])
-        entry = self._fresh_cache(request, path)
+                convert_dtype: bool = False, progress: Note | None = None, blend: float | None = None) -> Iterator[Lease]:
+        """Lend the Session for `cache` (restored now if not held or replaced since), as ModelPool + Session would.
+        blend: `cache` is a tuple of caches blended into one prompt (engine/cache/blend.py), held as one entry
+        (restored again when any of them is replaced)."""
+        paths = tuple(Path(os.path.abspath(c)) for c in cache) if blend is not None else Path(os.path.abspath(cache))
+        what = ["blend", [str(p) for p in paths], blend] if blend is not None else ["cache", str(paths)]
+        request = json.dumps([*what, model, revision, device, dtype, trust_remote_code, convert_dtype])
+        entry = self._fresh_cache(request, paths)
         if entry is None:
             with self._load_turn(request):
-                entry = self._fresh_cache(request, path)
+                entry = self._fresh_cache(request, paths)
                 if entry is None:
-                    entry = self._restore(request, path, model=model, revision=revision, device=device, dtype=dtype,
-                                          trust_remote_code=trust_remote_code, convert_dtype=convert_dtype, progress=progress)
+                    entry = self._restore(request, paths, model=model, revision=revision, device=device, dtype=dtype,
+                                          trust_remote_code=trust_remote_code, convert_dtype=convert_dtype, progress=progress,
+                                          blend=blend)
         try:
             with self._mutex:
                 model_entry = self._entries[entry.model_key]
@@ -261,10 +265,10 @@ class Warm:
                 setattr(e, what, getattr(e, what) + 1)
                 e.last_used = time.time()
 
-    def _fresh_cache(self, key: str, path: Path) -> _Entry | None:
-        """The held Session for this request if its directory is still the one restored."""
+    def _fresh_cache(self, key: str, path: Path | tuple) -> _Entry | None:
+        """The held Session for this request if its directory (each, for a blend) is still the one restored."""
         try:
-            now = memory.identity(path)
+            now = _identity(path)
         except OSError:
             now = None
         with self._mutex:
@@ -280,20 +284,26 @@ class Warm:
                 return None
         return self._take(key)
 
-    def _restore(self, key: str, path: Path, *, model, revision, device, dtype, trust_remote_code, convert_dtype, progress) -> _Entry:
+    def _restore(self, key: str, path: Path | tuple, *, model, revision, device, dtype, trust_remote_code, convert_dtype, progress,
+                 blend: float | None = None) -> _Entry:
+        from contextlib import ExitStack
+
         from ..engine import answer as an
         from ..engine.model import models
         from ..format import store
 
+        paths = list(path) if isinstance(path, tuple) else [path]
         try:
-            identity = memory.identity(path)  # taken before reading: a replace after this is caught next time
+            identity = _identity(path)  # taken before reading: a replace after this is caught next time
         except OSError:
             identity = ()
         from ..engine.model import fit
 
-        with store.open_cache(path) as opened:  # read once: its shards go to the Session's restore
-            manifest = opened.manifest
-            fit.check_request(manifest, str(path), dtype=dtype, convert_dtype=convert_dtype)  # refused: nothing loads
+        with ExitStack() as held:  # read once: the shards go to the Session's restore
+            opened = [held.enter_context(store.open_cache(p)) for p in paths]
+            for o, p in zip(opened, paths):
+                fit.check_request(o.manifest, str(p), dtype=dtype, convert_dtype=convert_dtype)  # refused: nothing loads
+            manifest = opened[0].manifest
             want = dtype or manifest.dtype
             source = models.cache_source(model, manifest.model.get("source", {}), revision=revision)
             mkey = json.dumps(["model", source, device, want, trust_remote_code], sort_keys=True)
@@ -304,9 +314,10 @@ class Warm:
                     if model_entry is None:
                         model_entry = self._load_model(mkey, source, device, want, trust_remote_code, progress)
             try:
-                session = an.Session(model_entry.obj, opened, convert_dtype=convert_dtype)
-                info = {"path": str(path), "model": model_entry.info["name"], "num_tokens": len(session.token_ids),
-                        "dtype": manifest.dtype, "load_s": round(session.load_s, 4)}
+                session = an.Session(model_entry.obj, opened if blend is not None else opened[0], convert_dtype=convert_dtype,
+                                     blend=blend)
+                info = {"path": " + ".join(str(p) for p in paths), "model": model_entry.info["name"],
+                        "num_tokens": len(session.token_ids), "dtype": manifest.dtype, "load_s": round(session.load_s, 4)}
                 entry = _Entry(key, "cache", session, session.nbytes(), info, identity=identity, model_key=model_entry.key,
                                users=1, measure=session.nbytes)
                 with self._mutex:
@@ -362,3 +373,8 @@ class Warm:
             for ck in [k for k, c in self._entries.items() if c.kind == "cache" and c.model_key == key and c.users == 0]:
                 freed += self._entries.pop(ck).nbytes
         return freed
+
+
+def _identity(path: Path | tuple) -> tuple:
+    """memory.identity of a cache, or of each cache of a blend."""
+    return tuple(memory.identity(p) for p in path) if isinstance(path, tuple) else memory.identity(path)
