@@ -48,7 +48,11 @@ class Check:
     blended: dict[str, Any] | None = None  # several caches blended (engine/cache/blend.py): approximate, differences expected
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON of the check; `blended` appears only for a blend."""
+        body = asdict(self)
+        if self.blended is None:
+            del body["blended"]
+        return body
 
     def describe(self) -> str:
         """One line for people (the CLI prints it on stderr)."""

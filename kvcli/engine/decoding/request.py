@@ -35,6 +35,8 @@ class Answer:
         body = asdict(self)
         if self.check is None:
             del body["check"]
+        else:
+            body["check"] = self.check.to_json()
         if not body["history"]:
             del body["history"]
         if self.blended is None:
