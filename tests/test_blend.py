@@ -98,6 +98,17 @@ def test_recomputing_everything_is_exact(tokenizer, name, tmp_path):
         assert a.prompt_token_ids[: len(session.token_ids)] == session.token_ids
         assert a.answer_token_ids == reference_answer(model, a.prompt_token_ids, MAX_NEW)
         assert a.blended["documents"] == 3 and a.blended["recompute"] == 1.0
+    from kvcli.format import store
+
+    opened = [store.open_cache(p) for p in paths]
+    try:  # the other selection rule the benchmark measures: at 1 it recomputes everything too
+        last = blend.compose(lm, opened, 1.0, rule="last")
+    finally:
+        for o in opened:
+            o.close()
+    assert last.token_ids == session.token_ids and last.moved_tokens == 0
+    for here, there in zip(last.cache.states(), session.cache.states()):
+        torch.testing.assert_close(here.keys, there.keys)
 
 
 def test_default_model_exact_at_one_and_checked_below(default_lm, tmp_path):

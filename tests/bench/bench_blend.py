@@ -7,7 +7,7 @@ question's forward and its first token) against recomputing the whole composed p
 first token), measured alternately in one run; the recompute's greedy answers (32 tokens) teacher-forced
 through the blended cache (top-1 agreement, mean KL: engine/fidelity.py) and the blended cache's own greedy
 answers compared whole. Not part of the test run. Usage: python tests/bench/bench_blend.py [--fractions 0,0.05,...]
-[--tokens 2000] [--new 32] [--repeats 1]
+[--tokens 2000] [--new 32] [--repeats 1] [--rule first|last]
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=1, help="timings per fraction (blend and recompute alternating)")
+    ap.add_argument("--rule", default="first", choices=["first", "last"], help="which tokens of a later document are recomputed")
     args = ap.parse_args()
     lm = models.load()
     frame = fr.choose(lm.tokenizer, "auto", None)
@@ -105,7 +106,7 @@ def main() -> None:
     def composed(fraction: float):
         opened = [store.open_cache(p) for p in paths]
         try:
-            return blend.compose(lm, opened, fraction)
+            return blend.compose(lm, opened, fraction, rule=args.rule)
         finally:
             for o in opened:
                 o.close()
@@ -146,7 +147,7 @@ def main() -> None:
         return time.perf_counter() - t0
 
     rows = []
-    print(f"documents: {[len(store.read_manifest(p).token_ids) for p in paths]} cached tokens, composed prompt {len(ids)} "
+    print(f"rule {args.rule}; documents: {[len(store.read_manifest(p).token_ids) for p in paths]} cached tokens, composed prompt {len(ids)} "
           f"tokens, {len(QUESTIONS)} questions x {args.new} answer tokens (float32, {lm.device})")
     for fraction in [float(f) for f in args.fractions.split(",")]:
         blend_s, full_s = [], []

@@ -129,14 +129,19 @@ def _glue(tokenizer: Any, before: fr.Framing, cached: list[int], where: str) -> 
     return ids
 
 
-def compose(lm: Any, opened: list[Any], recompute: float = DEFAULT_RECOMPUTE, *, room: int | None = None) -> Blended:
+def compose(lm: Any, opened: list[Any], recompute: float = DEFAULT_RECOMPUTE, *, room: int | None = None,
+            rule: str = "first") -> Blended:
     """Blend opened caches (format.store.OpenedCache, each already checked against lm by fit.check_fits)
-    into one KVCache: the first restored whole, each later one glued, partly recomputed, the rest moved."""
+    into one KVCache: the first restored whole, each later one glued, partly recomputed, the rest moved.
+    rule: which tokens of a later document are recomputed: "first" (kvcli's rule) or "last" (measured
+    against it by tests/bench/bench_blend.py --rule last)."""
     import torch
 
     from .restore import ROOM_TOKENS, load_cache, load_states
 
     recompute = check_fraction(recompute)
+    if rule not in ("first", "last"):
+        raise ValueError(f"rule {rule!r}: 'first' or 'last'")
     if len(opened) < 2:
         raise UsageError("blending needs at least two caches")
     check_supported(lm)
@@ -170,22 +175,35 @@ def compose(lm: Any, opened: list[Any], recompute: float = DEFAULT_RECOMPUTE, *,
     extra = ROOM_TOKENS if room is None else room
     cache = load_cache(opened[0], device=lm.device, dtype=lm.dtype, room=len(ids) - len(first.token_ids) + extra)
     recomputed = moved = 0
+
+    def forward(run: list[int]) -> None:
+        """Run ids at their true positions, on top of everything composed so far."""
+        nonlocal recomputed
+        if run:
+            lm.model(input_ids=torch.tensor([run], device=lm.device), cache=cache, use_cache=True, logits_to_keep=1)  # [1, len(run)]
+            recomputed += len(run)
+
+    def move(states, lo: int, hi: int) -> None:
+        """Append the cached tokens stored at positions [lo, hi), their keys rotated to land at the cache's end."""
+        nonlocal moved
+        if hi > lo:
+            cos, sin = rotation(lm, cache.get_seq_length() - lo)
+            for layer, s in zip(cache.layers, states):
+                k, v = s.keys[:, :, lo:hi], s.values[:, :, lo:hi]  # [b, kv_heads, hi - lo, head_dim]
+                layer.update(move_keys(k, cos, sin), v)
+            moved += hi - lo
+
     with torch.inference_mode():
         for o, glue, start, r in plans:
             states = load_states(o, device=lm.device, dtype=lm.dtype, room=0)
             body = list(o.manifest.token_ids[start:])
-            run = glue + body[:r]  # forward at their true positions, on top of everything composed so far
-            x = torch.tensor([run], device=lm.device)  # [1, glue + r]
-            lm.model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-            recomputed += len(run)
-            rest = len(body) - r
-            if rest:
-                offset = cache.get_seq_length() - (start + r)  # stored position start + r lands at the cache's end
-                cos, sin = rotation(lm, offset)
-                for layer, s in zip(cache.layers, states):
-                    k, v = s.keys[:, :, start + r :], s.values[:, :, start + r :]  # [b, kv_heads, rest, head_dim]
-                    layer.update(move_keys(k, cos, sin), v)
-                moved += rest
+            if rule == "first":
+                forward(glue + body[:r])
+                move(states, start + r, start + len(body))
+            else:  # "last": the tokens nearest the question recomputed
+                forward(glue)
+                move(states, start, start + len(body) - r)
+                forward(body[len(body) - r:])
             del states
     for layer in cache.layers:
         layer.mark = layer.offset  # the composed prompt is the document now: questions rewind to its end
