@@ -269,3 +269,27 @@ def test_http_documents_field_blends_the_caches(tiny_model_dir, tmp_path):
         assert err.value.status_code == 400 and err.value.body["param"] == "model"
     finally:
         srv.stop()
+
+
+# ---- the warm server (unix socket)
+
+
+def test_served_blend_prints_what_the_in_process_one_prints(cli_caches, monkeypatch):
+    from tests.serve_helpers import ThreadServer, short_dir
+
+    a, b = cli_caches
+    s = ThreadServer(short_dir() / "s.sock")
+    monkeypatch.setenv("KVCLI_SOCKET", str(s.path))
+    try:
+        args = ("ask", "-c", a, "-c", b, "--blend", "--recompute", "0.3", "--json", "--max-new-tokens", MAX_NEW, QUESTIONS[0])
+        served, local = run(*args, "--server"), run(*args, "--no-server")
+        assert served.exit_code == local.exit_code == 0, (served.stderr, local.stderr)
+        [x], [y] = json_lines(served.stdout), json_lines(local.stdout)
+        assert x["served"] and not y["served"]
+        assert x["answer_token_ids"] == y["answer_token_ids"] and x["prompt_token_ids"] == y["prompt_token_ids"]
+        assert x["blended"]["recompute"] == y["blended"]["recompute"] == 0.3 and x["cache"] == y["cache"] == f"{a} + {b}"
+        assert served.stderr == local.stderr and "approximate" in served.stderr
+        again = run(*args, "--server")  # the blend is held warm: answered again from the same entry
+        assert json_lines(again.stdout)[0]["answer_token_ids"] == x["answer_token_ids"]
+    finally:
+        s.close()

@@ -79,18 +79,19 @@ def ask(
 
     if check and server:
         raise UsageError("--check recomputes every prompt in this process: it cannot go through a server (drop --server)")
-    if blend and server:
-        raise UsageError("--blend runs in this process: it cannot go through a server (drop --server)")
-    if server is not False and not check and not blend and not any(is_url(c) for c in cache):  # a running `kvcli serve` answers without importing torch
+    if server is not False and not check and not any(is_url(c) for c in cache):  # a running `kvcli serve` answers without importing torch
         options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
                    "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size}
         fields = {"caches": [os.path.abspath(c) for c in cache], "questions": qs, "options": options, "model": served.client_model(model),
                   "revision": revision, "device": device, "dtype": dtype, "convert_dtype": convert_dtype,
                   "trust_remote_code": trust_remote_code, "stream": not json_out, "batch_size": batch_size}
+        if blend:
+            fields["blend"] = fraction
         if earlier is not None:
             fields.update(follow_up=earlier, follow_up_name=str(follow_up))
 
-        render = AskRenderer(out, [str(c) for c in cache], questions=len(qs), json_out=json_out, null=null, served=True,
+        names = [" + ".join(str(c) for c in cache)] if blend else [str(c) for c in cache]
+        render = AskRenderer(out, names, questions=len(qs), json_out=json_out, null=null, served=True,
                              max_new_tokens=max_new_tokens)
         code = served.run(out, server, "ask", fields, [*(str(Path(c)) for c in cache), model], render=render)
         if code is not None:

@@ -28,6 +28,11 @@ def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: 
     conn = client.open_request(where, op, fields)
     if conn is None and require is None and autostart(out, where):
         conn = client.open_request(where, op, fields)
+    if conn is not None and fields.get("blend") is not None and conn.accepted.get("blend") is None:
+        conn.close()  # a server that does not echo the blend would answer each cache alone: this process blends
+        if require:
+            raise ServerError(f"{where}: this server cannot blend caches", hint="restart it ('kvcli serve --stop'), or drop --server")
+        return None
     if conn is None:
         if require:
             raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")

@@ -42,6 +42,7 @@ class Connection:
     def __init__(self, sock: socket.socket, path: Path):
         self.sock, self.path = sock, path
         self._reader = sock.makefile("rb")
+        self.accepted: dict[str, Any] = {}  # the server's `accepted` event (open_request)
 
     def send(self, message: dict[str, Any]) -> None:
         self.sock.sendall(protocol.encode(message))
@@ -119,6 +120,7 @@ def open_request(path: Path, op: str, fields: dict[str, Any] | None = None, *, t
     if first.get("event") != "accepted":
         conn.close()
         raise ServerError(f"{path}: unexpected first event {first.get('event')!r} from the server")
+    conn.accepted = first
     return conn
 
 

@@ -149,6 +149,13 @@ def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
 
     caches, questions = _strings(req, "caches"), _strings(req, "questions")
     opts = _options(req)
+    blend = req.get("blend")
+    if blend is not None:
+        from ..engine.cache.blend import check_fraction
+
+        if isinstance(blend, bool) or not isinstance(blend, (int, float)):
+            raise protocol.ProtocolError("blend must be a fraction from 0 to 1")
+        blend = check_fraction(blend)
     check_trust(req.get("trust_remote_code"), req.get("model"))
     batch_size = req.get("batch_size")
     if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
@@ -160,13 +167,13 @@ def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     def open_session(path: str):
         return warm.session(path, model=req.get("model"), revision=req.get("revision"), device=req.get("device") or "auto",
                             dtype=req.get("dtype"), trust_remote_code=bool(req.get("trust_remote_code")),
-                            convert_dtype=bool(req.get("convert_dtype")), progress=note)
+                            convert_dtype=bool(req.get("convert_dtype")), progress=note, blend=blend)
 
     def emit(ev: dict[str, Any]) -> None:
         conn.send(protocol.event(ev.pop("event"), **ev))
 
     return ask_events(open_session, caches, questions, opts, emit=emit, history_for=lambda lease: _history(req, lease.session),
-                      batch_size=batch_size, stream=bool(req.get("stream", True)), watch=conn.watch)
+                      batch_size=batch_size, stream=bool(req.get("stream", True)), watch=conn.watch, blend=blend is not None)
 
 
 def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
@@ -229,7 +236,8 @@ def handle(conn: Connection, warm: Warm, status: Callable[[], dict[str, Any]], s
             conn.send(protocol.fail(f"bad request: {exc}"))
             return "refused"
         op = req["op"]
-        conn.send(protocol.event("accepted", op=op))
+        # a blend is echoed: a client seeing no echo (an older server) answers in its own process instead
+        conn.send(protocol.event("accepted", op=op, **({"blend": req["blend"]} if op == "ask" and req.get("blend") is not None else {})))
         if op in ("ping", "status", "stop"):
             _control(conn, op, status, stop)
             return "control"

@@ -12,11 +12,13 @@ Requests (`op`); every reply starts with an `accepted` event:
            stop}, model, revision, device, dtype, convert_dtype, trust_remote_code, stream: bool,
            and optionally the conversation the questions follow: history: [[question, answer], ...],
            or follow_up: an `ask --json` answer object (follow_up_name: its file, for messages)
+           blend: a fraction: the caches blended into one prompt (`ask --blend --recompute`), echoed in
+           `accepted` (a client that sees no echo asks in its own process)
   prefill  docs: [[abs doc path, abs cache path]], model, revision, device, dtype, system, framing,
            chunk_size, encoding, force, trust_remote_code, kv_bits (8, 4 or null: lossless)
 
 Events streamed for ask/prefill (mirroring what `kvcli` writes in-process):
-  accepted {"op"}                    the server took the request (sent first)
+  accepted {"op", "blend"?}          the server took the request (sent first; blend: an ask's, echoed)
   note / warning {"message"}         stderr lines
   error {"message", "hint", "exit_code"}   a per-item failure (the batch goes on)
   text {"text"}                      answer text as it settles (plain output only)
