@@ -7,6 +7,7 @@ Python API (heavy modules load on first use, so `import kvcli` stays cheap):
     kvcli.prefill(lm, kvcli.read_document("doc.txt"), "doc.kv")
     session = kvcli.Session(lm, "doc.kv")
     print(session.ask("Who is the licensor?").answer)
+    both = kvcli.Session(lm, ["a.kv", "b.kv"], blend=0.15)   # two documents, one prompt (approximate: docs/composing.md)
 """
 
 __version__ = "0.2.0"
