@@ -124,7 +124,7 @@ def _glue(tokenizer: Any, before: fr.Framing, cached: list[int], where: str) -> 
     if k:
         if ids[:k] != list(cached[-k:]):
             raise BlendError(f"{where}: the end of this document tokenizes differently before the next one; "
-                             "prefill it with --framing plain to blend it")
+                             "it can be blended only as the last document")
         ids = ids[k:]
     return ids
 
@@ -176,12 +176,20 @@ def compose(lm: Any, opened: list[Any], recompute: float = DEFAULT_RECOMPUTE, *,
     cache = load_cache(opened[0], device=lm.device, dtype=lm.dtype, room=len(ids) - len(first.token_ids) + extra)
     recomputed = moved = 0
 
+    from ..prefilling import DEFAULT_CHUNK
+    from ..scheduling.scheduler import engine_for
+
+    engine = engine_for(lm)
+
     def forward(run: list[int]) -> None:
-        """Run ids at their true positions, on top of everything composed so far."""
+        """Run ids at their true positions, on top of everything composed so far: a chunk per turn of the
+        model's engine (answers decoding on the model go on between two chunks)."""
         nonlocal recomputed
-        if run:
-            lm.model(input_ids=torch.tensor([run], device=lm.device), cache=cache, use_cache=True, logits_to_keep=1)  # [1, len(run)]
-            recomputed += len(run)
+        for at in range(0, len(run), DEFAULT_CHUNK):
+            chunk = torch.tensor([run[at : at + DEFAULT_CHUNK]], device=lm.device)  # [1, <= DEFAULT_CHUNK]
+            with engine.turn():
+                lm.model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1)
+        recomputed += len(run)
 
     def move(states, lo: int, hi: int) -> None:
         """Append the cached tokens stored at positions [lo, hi), their keys rotated to land at the cache's end."""
