@@ -21,7 +21,7 @@ from ..errors import DocumentError, ModelError, UsageError
 from .model.models import LoadedModel
 
 SHARED_SLICE = 256  # prefill tokens per turn while answers decode on the model (tests/bench/bench_stall.py)
-DEFAULT_CHUNK = 1024  # near one forward's time at a fraction of its peak memory (`kvcli bench`; docs/performance.md)
+DEFAULT_CHUNK = 1024  # near one forward's time at a fraction of its peak memory (docs/performance.md, chunk sizes measured)
 ANSWER_ROOM = 320  # tokens kept free for a question and its answer
 DEFAULT_LEVEL = 1  # zstd level: on byte planes of float32 caches, higher levels are slower and barely smaller
 DEFAULT_TRANSFORM = "byteplane"
