@@ -116,3 +116,19 @@ def test_every_benchmark_command_takes_the_options_it_is_given():
                 source = cli_source
             wrong += [f"{line}: {flag}" for flag in re.findall(r"(?<!\S)(--[\w-]+)", line) if f'"{flag}"' not in source]
     assert wrong == []
+
+
+SOURCE_FILE = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b")
+
+
+def test_every_path_kvcli_sources_name_exists():
+    """A comment's or docstring's `engine/decoding/solo.py`, `solo.py` or `tests/bench/bench_decode.py` is a file:
+    from the repository root, from kvcli/, or from the naming file's own package or one above it."""
+    missing = []
+    for source in sorted((ROOT / "kvcli").rglob("*.py")):
+        text = re.sub(r"https?://\S+", "", source.read_text(encoding="utf-8"))
+        bases = [ROOT, *(p for p in source.parents if p.is_relative_to(ROOT / "kvcli"))]
+        named = {m.rstrip("/.") for m in PATH.findall(text)} | set(SOURCE_FILE.findall(text))
+        missing += [f"{source.relative_to(ROOT)}: {name}" for name in sorted(named)
+                    if not any((base / name).exists() for base in bases)]
+    assert missing == []

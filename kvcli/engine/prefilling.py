@@ -47,7 +47,7 @@ def document_token_ids(lm: LoadedModel, document: Document, framing: fr.Framing)
 
 def document_split(lm: LoadedModel, document: Document, framing: fr.Framing,
                    split: tuple[list[int], fr.Framing] | None = None) -> tuple[list[int], fr.Framing]:
-    """The ids to cache and the framing (with where the cut falls) that questions follow; see framing.py.
+    """The ids to cache and the framing (with where the cut falls) that questions follow; see engine/prompt/framing.py.
     split: those already made by the same tokenizer (the fit check before the model loaded), only checked."""
     ids, framing = split or fr.split_document(lm.tokenizer, framing, document.text)
     exc = too_long(document.name, len(ids), lm.max_positions)
