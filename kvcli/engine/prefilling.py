@@ -22,7 +22,7 @@ from ..errors import DocumentError, ModelError, UsageError
 from .model.models import LoadedModel
 
 SHARED_SLICE = 256  # prefill tokens per turn while answers decode on the model (tests/bench/bench_stall.py)
-DEFAULT_CHUNK = 1024  # near one forward's time at a fraction of its peak memory (`kvcli bench`; docs/performance.md)
+DEFAULT_CHUNK = 1024  # near one forward's time at a fraction of its peak memory (docs/performance.md, chunk sizes measured)
 ANSWER_ROOM = 320  # tokens kept free for a question and its answer
 DEFAULT_LEVEL = 1  # zstd level: on byte planes of float32 caches, higher levels are slower and barely smaller
 DEFAULT_TRANSFORM = "byteplane"
@@ -75,7 +75,7 @@ def document_token_ids(lm: LoadedModel, document: Document, framing: fr.Framing)
 
 def document_split(lm: LoadedModel, document: Document, framing: fr.Framing,
                    split: tuple[list[int], fr.Framing] | None = None) -> tuple[list[int], fr.Framing]:
-    """The ids to cache and the framing (with where the cut falls) that questions follow; see framing.py.
+    """The ids to cache and the framing (with where the cut falls) that questions follow; see engine/prompt/framing.py.
     split: those already made by the same tokenizer (the fit check before the model loaded), only checked."""
     ids, framing = split or fr.split_document(lm.tokenizer, framing, document.text)
     exc = too_long(document.name, len(ids), lm.max_positions)

@@ -22,8 +22,8 @@ FORMAT_VERSION = 3  # what kvcli writes: shards hashed with BLAKE3, lossless or 
 LOSSLESS_SHA256_VERSION = 1  # older caches, still read: lossless, shards hashed with sha256
 QUANT_SHA256_VERSION = 2  # older 8-/4-bit caches (a kvcli that reads only 1 says "version 2 not supported")
 SUPPORTED_VERSIONS = (LOSSLESS_SHA256_VERSION, QUANT_SHA256_VERSION, FORMAT_VERSION)
-# The hash of every shard's stored bytes, by format version; a layer entry names it as its digest's key. BLAKE3 runs
-# at 3.1 GB/s a core where sha256 runs at 1.5 (with SHA extensions), and restore hashes every byte it reads.
+# The hash of every shard's stored bytes, by format version; a layer entry names it as its digest's key. BLAKE3 hashes
+# about twice as fast as sha256 with SHA extensions, and restore hashes every byte it reads (docs/performance.md).
 SHARD_HASHES = {LOSSLESS_SHA256_VERSION: "sha256", QUANT_SHA256_VERSION: "sha256", FORMAT_VERSION: "blake3"}
 KV_BITS = (8, 4)
 FRAMING_VERSION = 1  # recorded when the cut is at the document's end (no anchor, nothing pending)

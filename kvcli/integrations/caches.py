@@ -1,7 +1,7 @@
 """Which kvcli caches an engine may load, and which cache a prompt starts with. No torch, no engine.
 
 An engine (vLLM) describes the model it runs as an `EngineModel` in the manifest's own terms; `refusal`
-applies the fit rules of `kvcli ask` (kvcli/engine/fit.py) to a manifest and returns the reason a cache
+applies the fit rules of `kvcli ask` (kvcli/engine/model/fit.py) to a manifest and returns the reason a cache
 does not fit, or None. `CacheIndex` holds the caches that fit, keyed by their first block of token ids,
 and `match` finds, for a prompt's ids, the cache sharing the longest prefix with it, in whole blocks and
 never the whole prompt (the engine must compute at least one token to produce logits).

@@ -14,7 +14,7 @@ from ...format.store import OpenedCache, usable_cores
 QUESTION_TOKENS = GROW_STEP  # room for a question (its framing included) ...
 ANSWER_TOKENS = 256  # ... plus an answer of the default --max-new-tokens (engine/decoding/request.py)
 ROOM_TOKENS = QUESTION_TOKENS + ANSWER_TOKENS  # spare tokens after each full-attention layer's document: a question
-# and a default-length answer append in place; a longer one grows the buffer once, to what it needs (solo.py)
+# and a default-length answer append in place; a longer one grows the buffer once, to what it needs (engine/decoding/solo.py)
 
 
 def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threads: int | None = None,
