@@ -200,3 +200,32 @@ def test_served_chain_answers_as_in_process_and_notices_a_changed_base(tiny_mode
             srv.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_http_serves_a_chain_as_one_model(tiny_model_dir):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from kvcli.serve import http
+    from kvcli.serve.docs import WarmProvider
+    from tests.serve_helpers import ThreadServer, short_dir
+
+    root = short_dir()
+    try:
+        lm = kvcli.load(str(tiny_model_dir))
+        (root / "docs").mkdir()
+        _chain(lm, root / "docs", PARTS[:2])
+        want = kvcli.Session(lm, root / "docs" / "part2.kv").ask(QUESTION, OPTS).answer
+        srv = ThreadServer(root / "s.sock")
+        web = http.start("127.0.0.1", 0, provider=WarmProvider(srv.server.warm, [root / "docs"]))
+        try:
+            c = openai.OpenAI(base_url=web.base_url, api_key="x", max_retries=0, timeout=60)
+            assert {"part1.kv", "part2.kv"} <= {m.id for m in c.models.list().data}
+            r = c.chat.completions.create(model="part2.kv", messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=OPTS.max_new_tokens)
+            assert r.choices[0].message.content == want
+            assert r.usage.prompt_tokens_details.cached_tokens == store.read_manifest(root / "docs" / "part2.kv").num_tokens
+        finally:
+            web.stop()
+            srv.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
