@@ -229,3 +229,21 @@ def test_http_serves_a_chain_as_one_model(tiny_model_dir):
             srv.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_list_line_may_name_a_base(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for i, text in enumerate(PARTS[:2]):
+        (tmp_path / f"p{i + 1}.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "list.txt").write_text("p1.txt\np2.txt --after p1.kv\n", encoding="utf-8")
+    args = ("prefill", "--from-list", "list.txt", "--model", tiny_model_dir, "--no-server", "--json")
+    first = run(*args)
+    assert first.exit_code == 0, first.stderr
+    rows = [json.loads(line) for line in first.stdout.splitlines()]
+    assert [(r["status"], r["base"]) for r in rows] == [("built", None), ("built", "p1.kv")]
+    assert store.read_manifest(tmp_path / "p2.kv").base["num_tokens"] == rows[0]["num_tokens"]
+    again = [json.loads(line) for line in run(*args).stdout.splitlines()]
+    assert [r["status"] for r in again] == ["skipped", "skipped"]
+    (tmp_path / "list.txt").write_text("p1.txt\np2.txt\n", encoding="utf-8")  # no longer a chain: rebuilt alone
+    alone = [json.loads(line) for line in run(*args).stdout.splitlines()]
+    assert [r["status"] for r in alone] == ["skipped", "built"] and store.read_manifest(tmp_path / "p2.kv").base is None

@@ -69,6 +69,7 @@ class Job:
     document: str  # path or URL as listed
     target: Target
     error: str | None = None  # set when the job cannot run (e.g. two documents name the same cache)
+    after: str | None = None  # the cache this document's extends (a list line `DOC --after CACHE`)
 
 
 @dataclass
@@ -102,8 +103,12 @@ class DocResult:
                 "error": self.error, "served": served}
 
 
+AFTER = " --after "  # a list line `DOC --after CACHE`: the document's cache extends CACHE
+
+
 def read_list(source: str) -> list[str]:
-    """Document entries from a list file ('-' for stdin): one per line, blank and '#' lines skipped, repeats dropped."""
+    """Document entries from a list file ('-' for stdin): one per line (`DOC` or `DOC --after CACHE`), blank and
+    '#' lines skipped, repeats dropped."""
     try:
         text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -163,26 +168,37 @@ def share(entries: Sequence[T], index: int, count: int) -> list[T]:
 def plan(entries: list[str], target_for: Callable[[str], Target]) -> list[Job]:
     """One job per entry; entries whose caches would collide get an error (decided on the whole list,
     so every process of an array agrees)."""
-    jobs = [Job(e, target_for(e)) for e in entries]
+    jobs = []
+    for entry in entries:
+        document, _sep, base = (part.strip() for part in entry.partition(AFTER))
+        jobs.append(Job(document, target_for(document), after=base or None))
     by_cache: dict[str, list[str]] = {}
     for job in jobs:
         by_cache.setdefault(job.target.name, []).append(job.document)
     return [
         Job(j.document, j.target, f"{j.target.name}: named by {len(by_cache[j.target.name])} documents "
-                                  f"({', '.join(by_cache[j.target.name][:3])}); give them distinct file names")
+                                  f"({', '.join(by_cache[j.target.name][:3])}); give them distinct file names", j.after)
         if len(by_cache[j.target.name]) > 1 else j
         for j in jobs
     ]
 
 
 def up_to_date(m: mf.Manifest, lm: LoadedModel, document: Document, framing: dict[str, Any],
-               kv_bits: int | None = None) -> bool:
+               kv_bits: int | None = None, after: str | None = None, where: Path | None = None) -> bool:
     """Whether a cache's manifest says it holds this document for this model and framing, stored as asked
     (lossless, or quantized to kv_bits bits), without reading a shard: what decides the cache is compared
     (document, model and tokenizer fingerprints, framing kind, system prompt, template hash, storage), not the
     framing record's own fields: a tokenizer that moves the cut (SentencePiece) records version 2 and an anchor,
-    which `framing` (the record of the framing asked for, before any cut) never holds."""
+    which `framing` (the record of the framing asked for, before any cut) never holds. A cache that extends another
+    is up to date only if it extends `after` (its cache at `where`; the chain itself was checked as it opened)."""
+    if (m.base is None) != (after is None) or (after is not None and (where is None or not _same_path(
+            store.base_path(where, m.base["path"]), Path(after)))):
+        return False
     return m.document.get("sha256") == document.sha256 and pf.same_setup(m, lm, framing, kv_bits)
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def lent(lm: LoadedModel) -> Any:
@@ -271,7 +287,8 @@ def run(
                 _claim(job.target, force, stack, document)
             if incremental and not force:
                 current = job.target.current()
-                if current is not None and up_to_date(current, lm(), document, _asked(lm(), framing, system), kv_bits):
+                if current is not None and up_to_date(current, lm(), document, _asked(lm(), framing, system), kv_bits,
+                                                      job.after or after, getattr(job.target, "path", None)):
                     return _done(job, i, "skipped", current, t0)
             return job, i, t0, document, once(fits, fit)(document) if fit is not None else None  # fit before any weights load
 
@@ -289,14 +306,16 @@ def run(
 
             replace = force or incremental  # a list run replaces a stale or broken cache (never a folder that is no cache)
             try:
-                r = job.target.write(lm(), document, force=replace, split=split, progress=update if progress else None, **options)
+                r = job.target.write(lm(), document, force=replace, split=split, progress=update if progress else None,
+                                     **{**options, "after": job.after or options["after"]})
             except CacheExistsError:
                 now = job.target.current()  # written meanwhile by another process
-                if incremental and now is not None and up_to_date(now, lm(), document, _asked(lm(), framing, system), kv_bits):
+                if incremental and now is not None and up_to_date(now, lm(), document, _asked(lm(), framing, system), kv_bits,
+                                                                  job.after or after, getattr(job.target, "path", None)):
                     return _done(job, i, "skipped", now, t0)
                 raise
             held[0].served()
-            return _done(job, i, "built", r.manifest, t0, r, after)
+            return _done(job, i, "built", r.manifest, t0, r, job.after or after)
 
         def begun(i: int, job: Job) -> Any:
             return guarded(job, i, time.perf_counter(), lambda: prepare(i, job))
