@@ -49,7 +49,8 @@ def ls(
         if "error" in r:
             table.add_row(Text(Path(r["path"]).name), "-", "-", Text(r["error"], style="red"), "-", "-", "-", "-")
             continue
-        table.add_row(Text(Path(r["path"]).name), Text(str(r["document"].get("name"))), f"{r['num_tokens']:,}", Text(str(r["model"])),
+        doc = str(r["document"].get("name")) + (f" (after {Path(r['base']['path']).name})" if r.get("base") else "")
+        table.add_row(Text(Path(r["path"]).name), Text(doc), f"{r['num_tokens']:,}", Text(str(r["model"])),
                       r.get("storage", "-"),
                       human_bytes(r["bytes_on_disk"]), f"{r['ratio']:.1%}", human_age(r["age_s"]))
     out.table(table)
@@ -59,14 +60,16 @@ def ls(
 @command
 def rm(
     caches: Annotated[list[Path], typer.Argument(metavar="CACHE", help="Cache directories to remove.")],
+    force: Annotated[bool, typer.Option("--force", help="Also remove a cache that another one beside it extends (that one then fails to open).")] = False,
     quiet: QuietOpt = False,
 ) -> int:
-    """Remove kvcli caches. Anything that is not a kvcli cache is refused, and then nothing is removed."""
+    """Remove kvcli caches. Anything that is not a kvcli cache, or a cache that another one extends, is refused,
+    and then nothing is removed."""
     from ..format import housekeeping as hk
 
     out = Output(quiet=quiet)
     caches = hk.distinct(caches)  # one path given twice is removed once
-    hk.check_removable(caches)
+    hk.check_removable(caches, force=force)
     for path in caches:
         r = hk.remove_cache(path)
         out.note(f"removed {r.path} ({human_bytes(r.bytes)})")

@@ -36,11 +36,13 @@ def info(
 
         m = objects.read_manifest(cache)  # the manifest only: nothing else is downloaded
         s = catalog.summary(objects.redact(cache), m)
+        links = []
     else:
-        m = store.read_manifest(cache)
+        with store.open_cache(cache, shards=False) as opened:  # the chain's manifests, checked link by link
+            m, links = opened.manifest, catalog.chain_rows(opened)
         s = catalog.summary(Path(cache), m)
     if json_out:
-        out.json_doc({**s, "layers": catalog.layer_rows(m)})
+        out.json_doc({**s, "chain": links, "layers": catalog.layer_rows(m)})
         return 0
     head = Table.grid(padding=(0, 2))
     for key in ("path", "model", "model_type", "num_tokens", "dtype", "num_layers", "created"):
@@ -55,6 +57,8 @@ def info(
     head.add_row("weights", Text(catalog.describe_weights(m)))
     head.add_row("storage", Text(catalog.describe_storage(m)))
     head.add_row("format", Text(f"{s['format_version']}, shards checked with {s['shard_hash']}"))
+    if len(links) > 1:
+        head.add_row("chain", Text(" -> ".join(f"{row['path']} ({row['own_tokens']:,} tokens)" for row in links)))
     out.table(head)
     table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")
     for row in catalog.layer_rows(m):

@@ -34,7 +34,8 @@ def prefill(
     weights: WeightsOpt = "float",
     device: DeviceOpt = "auto",
     encoding: EncodingOpt = "utf-8",
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing cache.")] = False,
+    after: Annotated[Optional[str], typer.Option("--after", metavar="CACHE", help="Extend this cache: the document follows its document in one prompt, only the new tokens are computed and stored, with a link to CACHE.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing cache (recomputed whole, even where its document only grew).")] = False,
     kv_bits: Annotated[Optional[int], typer.Option("--kv-bits", metavar="BITS", help="Store keys/values quantized to 8 or 4 bits (lossy, smaller; default: lossless).", show_default=False)] = None,
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
@@ -52,7 +53,9 @@ def prefill(
     mf.check_kv_bits(kv_bits)
     if shard is not None and from_list is None:
         raise UsageError("--shard needs --from-list")
-    options = dict(system=system, framing=framing, chunk_size=chunk_size, force=force, kv_bits=kv_bits)
+    if after is not None and (from_list is not None or is_url(after)):
+        raise UsageError("--after takes a local cache folder and documents given by name (not --from-list)")
+    options = dict(system=system, framing=framing, chunk_size=chunk_size, force=force, kv_bits=kv_bits, after=after)
     load = dict(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, weights=weights)
     if from_list is not None or is_url(output) or any(is_url(d) for d in docs):
         return _prefill_corpus(out, docs, from_list, shard, output, load, options, encoding=encoding, json_out=json_out)
@@ -64,7 +67,7 @@ def prefill(
     # a document on stdin is prefilled in-process
     if server is not False and "-" not in docs:
         fields = {"docs": [[os.path.abspath(d), os.path.abspath(t)] for d, t in targets], **load, "model": served.client_model(model or os.environ.get("KVCLI_MODEL")),
-                  "encoding": encoding, **options}
+                  "encoding": encoding, **options, "after": os.path.abspath(after) if after is not None else None}
         render = PrefillRenderer(out, targets, json_out=json_out, served=True)
         try:
             code = served.run(out, server, "prefill", fields, [*(d for d, _ in targets), *(str(t) for _, t in targets), model],

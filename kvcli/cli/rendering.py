@@ -123,7 +123,7 @@ class PrefillRenderer:
         self.out, self.targets, self.json_out, self.served = out, [(str(d), str(t)) for d, t in targets], json_out, served
         self.listed, self.label = listed, label
         self._bar: Any = None  # (index, context manager, update) of the document being prefilled
-        self.counts = {"built": 0, "skipped": 0, "failed": 0}
+        self.counts = {"built": 0, "extended": 0, "skipped": 0, "failed": 0}
 
     def __call__(self, ev: dict[str, Any]) -> None:
         kind, out = ev.get("event"), self.out
@@ -154,7 +154,9 @@ class PrefillRenderer:
         self._close()
         n, c = sum(self.counts.values()), self.counts
         if n > 1 or self.listed:
-            self.out.note(f"{c['built']} built, {c['skipped']} skipped, {c['failed']} failed of {len(self.targets)} documents{self.label}")
+            grown = f", {c['extended']} extended" if c["extended"] else ""
+            self.out.note(f"{c['built']} built{grown}, {c['skipped']} skipped, {c['failed']} failed of {len(self.targets)} "
+                          f"documents{self.label}")
         if c["failed"] and len(self.targets) > 1:
             self.out.error(f"{c['failed']} of {len(self.targets)} documents failed")
 
@@ -174,8 +176,15 @@ class PrefillRenderer:
         elif r["status"] == "skipped":
             out.note(f"{r['cache']}: up to date, skipped ({r['num_tokens']:,} tokens)")
         else:
+            computed = r.get("computed_tokens") or r["num_tokens"]
+            if r["status"] == "extended":
+                what = f"extended {r['extended_from']:,} -> {r['num_tokens']:,} tokens, computed {computed:,}"
+            elif r.get("base"):
+                what = f"{r['num_tokens']:,} tokens after {r['base']}, computed {computed:,}"
+            else:
+                what = f"{r['num_tokens']:,} tokens"
             out.note(
-                f"{r['cache']}: {r['num_tokens']:,} tokens in {r['compute_s'] + r['write_s']:.1f} s "
-                f"({r['num_tokens'] / max(r['compute_s'], 1e-9):,.0f} tok/s), {human_bytes(r['bytes_on_disk'])} on disk "
+                f"{r['cache']}: {what} in {r['compute_s'] + r['write_s']:.1f} s "
+                f"({computed / max(r['compute_s'], 1e-9):,.0f} tok/s), {human_bytes(r['bytes_on_disk'])} on disk "
                 f"({r['bytes_on_disk'] / r['bytes_raw']:.0%} of {human_bytes(r['bytes_raw'])} raw, {r['storage']})"
             )

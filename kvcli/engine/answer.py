@@ -120,7 +120,7 @@ class Session:
         batch_size: at most this many of these questions decode at once (1: one by one). check=True measures
         every answer against a full recompute (Answer.check, engine/check.py; it costs a recompute of the
         document). history: earlier (question, answer) exchanges, appended after the document before each
-        question (conversation.py). prompts: the questions' prompt ids when already tokenized (check_prompt)."""
+        question (engine/prompt/conversation.py). prompts: the questions' prompt ids when already tokenized (check_prompt)."""
         from .scheduling.scheduler import engine_for
 
         return engine_for(self.lm).submit(self, questions, options or GenerationOptions(), history=history, limit=batch_size,

@@ -26,11 +26,6 @@ from .prompt import framing as fr
 from . import prefilling as pf
 from .model.models import LoadedModel
 
-# Fingerprint fields that decide whether a cache still fits the model (those fit.check_fits reads).
-FINGERPRINT_KEYS = ("model_type", "config_sha256", "weights_sha256", "tokenizer_sha256", "chat_template_sha256",
-                    "dtype", "num_layers", "num_kv_heads", "head_dim", "max_positions", "weights")
-FRAMING_KEYS = ("kind", "system", "template_sha256")  # the framing asked for; where the cut fell (version, anchor,
-# pending) follows from it, the document and the tokenizer, all compared already
 T = TypeVar("T")
 COUNT_VARIABLE = "KVCLI_SHARD_COUNT"  # Kubernetes sets JOB_COMPLETION_INDEX but not the count: set this to `completions`
 
@@ -74,6 +69,7 @@ class Job:
     document: str  # path or URL as listed
     target: Target
     error: str | None = None  # set when the job cannot run (e.g. two documents name the same cache)
+    after: str | None = None  # the cache this document's extends (a list line `DOC --after CACHE`)
 
 
 @dataclass
@@ -84,7 +80,7 @@ class DocResult:
 
     document: str
     cache: str
-    status: str  # "built", "skipped" or "failed"
+    status: str  # "built", "extended", "skipped" or "failed"
     num_tokens: int | None = None
     compute_s: float = 0.0
     write_s: float = 0.0
@@ -93,6 +89,9 @@ class DocResult:
     storage: str | None = None
     seconds: float = 0.0
     error: str | None = None
+    computed_tokens: int | None = None  # tokens run through the model (fewer when it extends a cache)
+    extended_from: int | None = None  # "extended": the tokens of the cache of the shorter document it replaced
+    base: str | None = None  # the cache it extends (prefill --after), as given
     index: int = field(default=0, compare=False)  # the job's place in the run (not in the record)
     exc: BaseException | None = field(default=None, compare=False, repr=False)  # a failure, for a caller that raises it
 
@@ -100,11 +99,16 @@ class DocResult:
         return {"document": self.document, "cache": self.cache, "status": self.status, "num_tokens": self.num_tokens,
                 "compute_s": round(self.compute_s, 4), "write_s": round(self.write_s, 4), "bytes_raw": self.bytes_raw,
                 "bytes_on_disk": self.bytes_on_disk, "storage": self.storage, "seconds": round(self.seconds, 3),
+                "computed_tokens": self.computed_tokens, "extended_from": self.extended_from, "base": self.base,
                 "error": self.error, "served": served}
 
 
+AFTER = " --after "  # a list line `DOC --after CACHE`: the document's cache extends CACHE
+
+
 def read_list(source: str) -> list[str]:
-    """Document entries from a list file ('-' for stdin): one per line, blank and '#' lines skipped, repeats dropped."""
+    """Document entries from a list file ('-' for stdin): one per line (`DOC` or `DOC --after CACHE`), blank and
+    '#' lines skipped, repeats dropped."""
     try:
         text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -164,34 +168,37 @@ def share(entries: Sequence[T], index: int, count: int) -> list[T]:
 def plan(entries: list[str], target_for: Callable[[str], Target]) -> list[Job]:
     """One job per entry; entries whose caches would collide get an error (decided on the whole list,
     so every process of an array agrees)."""
-    jobs = [Job(e, target_for(e)) for e in entries]
+    jobs = []
+    for entry in entries:
+        document, _sep, base = (part.strip() for part in entry.partition(AFTER))
+        jobs.append(Job(document, target_for(document), after=base or None))
     by_cache: dict[str, list[str]] = {}
     for job in jobs:
         by_cache.setdefault(job.target.name, []).append(job.document)
     return [
         Job(j.document, j.target, f"{j.target.name}: named by {len(by_cache[j.target.name])} documents "
-                                  f"({', '.join(by_cache[j.target.name][:3])}); give them distinct file names")
+                                  f"({', '.join(by_cache[j.target.name][:3])}); give them distinct file names", j.after)
         if len(by_cache[j.target.name]) > 1 else j
         for j in jobs
     ]
 
 
 def up_to_date(m: mf.Manifest, lm: LoadedModel, document: Document, framing: dict[str, Any],
-               kv_bits: int | None = None) -> bool:
+               kv_bits: int | None = None, after: str | None = None, where: Path | None = None) -> bool:
     """Whether a cache's manifest says it holds this document for this model and framing, stored as asked
     (lossless, or quantized to kv_bits bits), without reading a shard: what decides the cache is compared
     (document, model and tokenizer fingerprints, framing kind, system prompt, template hash, storage), not the
     framing record's own fields: a tokenizer that moves the cut (SentencePiece) records version 2 and an anchor,
-    which `framing` (the record of the framing asked for, before any cut) never holds."""
-    if m.document.get("sha256") != document.sha256:  # any format version kvcli reads will do
+    which `framing` (the record of the framing asked for, before any cut) never holds. A cache that extends another
+    is up to date only if it extends `after` (its cache at `where`; the chain itself was checked as it opened)."""
+    if (m.base is None) != (after is None) or (after is not None and (where is None or not _same_path(
+            store.base_path(where, m.base["path"]), Path(after)))):
         return False
-    if (m.quant or {}).get("bits") != kv_bits:
-        return False
-    if any(m.model.get(k) != lm.fingerprint.get(k) for k in FINGERPRINT_KEYS):
-        return False
-    if m.framing.get("version") not in fr.SUPPORTED_VERSIONS:
-        return False
-    return all(m.framing.get(k) == framing.get(k) for k in FRAMING_KEYS)
+    return m.document.get("sha256") == document.sha256 and pf.same_setup(m, lm, framing, kv_bits)
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def lent(lm: LoadedModel) -> Any:
@@ -217,6 +224,7 @@ def run(
     force: bool = False,
     incremental: bool = True,
     kv_bits: int | None = None,
+    after: str | None = None,
     fit: Callable[[], Callable[[Document], Any]] | None = None,
     upfront: bool = False,
     progress: Callable[[int, int, int], None] | None = None,
@@ -234,7 +242,8 @@ def run(
     document is read, its target checked and its fit measured before the model loads (a refusal costs no load).
     progress(index, done, total) per chunk; cancelled(): the asker left (the engine's Cancelled is raised)."""
     jobs = list(jobs)
-    options = dict(system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK, kv_bits=kv_bits)
+    options = dict(system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK, kv_bits=kv_bits, after=after,
+                   extend=not force)
     opener = model if callable(model) and not isinstance(model, LoadedModel) else (lambda: nullcontext(lent(model)))
     with ExitStack() as stack:
         held: list[Any] = []
@@ -273,12 +282,13 @@ def run(
             if job.error:
                 raise UsageError(job.error)
             t0 = time.perf_counter()
-            if not incremental:
-                _claim(job.target, force, stack)
             document = read(job.document)
+            if not incremental:  # an existing cache only with force, or when it holds this document before it grew
+                _claim(job.target, force, stack, document)
             if incremental and not force:
                 current = job.target.current()
-                if current is not None and up_to_date(current, lm(), document, _asked(lm(), framing, system), kv_bits):
+                if current is not None and up_to_date(current, lm(), document, _asked(lm(), framing, system), kv_bits,
+                                                      job.after or after, getattr(job.target, "path", None)):
                     return _done(job, i, "skipped", current, t0)
             return job, i, t0, document, once(fits, fit)(document) if fit is not None else None  # fit before any weights load
 
@@ -296,14 +306,16 @@ def run(
 
             replace = force or incremental  # a list run replaces a stale or broken cache (never a folder that is no cache)
             try:
-                r = job.target.write(lm(), document, force=replace, split=split, progress=update if progress else None, **options)
+                r = job.target.write(lm(), document, force=replace, split=split, progress=update if progress else None,
+                                     **{**options, "after": job.after or options["after"]})
             except CacheExistsError:
                 now = job.target.current()  # written meanwhile by another process
-                if incremental and now is not None and up_to_date(now, lm(), document, _asked(lm(), framing, system), kv_bits):
+                if incremental and now is not None and up_to_date(now, lm(), document, _asked(lm(), framing, system), kv_bits,
+                                                                  job.after or after, getattr(job.target, "path", None)):
                     return _done(job, i, "skipped", now, t0)
                 raise
             held[0].served()
-            return _done(job, i, "built", r.manifest, t0, r.compute_s, r.write_s)
+            return _done(job, i, "built", r.manifest, t0, r, job.after or after)
 
         def begun(i: int, job: Job) -> Any:
             return guarded(job, i, time.perf_counter(), lambda: prepare(i, job))
@@ -326,9 +338,12 @@ def _asked(lm: LoadedModel, framing: str, system: str | None) -> dict[str, Any]:
     return fr.choose(lm.tokenizer, framing, system).record(lm.tokenizer)
 
 
-def _claim(target: Target, force: bool, stack: ExitStack) -> None:
-    """A new cache may be written there: an existing one only with force; a local one is locked to the run's end
-    (a second prefill of it is refused at once)."""
+def _claim(target: Target, force: bool, stack: ExitStack, document: Document) -> None:
+    """A new cache may be written there: an existing one only with force, or when it holds this document's earlier,
+    shorter version (prefill extends it); a local one is locked to the run's end (a second prefill is refused at once)."""
+    if not force:
+        current = target.current() if isinstance(target, LocalTarget) and store.is_cache(target.path) else None
+        force = current is not None and pf.grew(current, document)
     if isinstance(target, LocalTarget):
         writing.check_target(target.path, force=force)
         stack.enter_context(writing.writer_lock(target.path))
@@ -336,6 +351,10 @@ def _claim(target: Target, force: bool, stack: ExitStack) -> None:
         raise CacheExistsError(f"{target.name}: already exists (use --force to replace it)")
 
 
-def _done(job: Job, index: int, status: str, m: mf.Manifest, t0: float, compute_s: float = 0.0, write_s: float = 0.0) -> DocResult:
-    return DocResult(job.document, job.target.name, status, m.num_tokens, compute_s, write_s, m.bytes_raw, m.bytes_stored, m.storage,
-                     time.perf_counter() - t0, index=index)
+def _done(job: Job, index: int, status: str, m: mf.Manifest, t0: float, r: pf.PrefillResult | None = None,
+          after: str | None = None) -> DocResult:
+    """The record of a cache built (r: how) or skipped; bytes are the link's own for a cache that extends another."""
+    return DocResult(job.document, job.target.name, "extended" if r is not None and r.grown_from is not None else status,
+                     m.num_tokens, r.compute_s if r else 0.0, r.write_s if r else 0.0, m.bytes_raw, m.bytes_stored, m.storage,
+                     time.perf_counter() - t0, computed_tokens=r.computed if r else None,
+                     extended_from=r.grown_from if r else None, base=after if m.base else None, index=index)

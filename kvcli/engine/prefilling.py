@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,7 +22,7 @@ from ..errors import DocumentError, ModelError, UsageError
 from .model.models import LoadedModel
 
 SHARED_SLICE = 256  # prefill tokens per turn while answers decode on the model (tests/bench/bench_stall.py)
-DEFAULT_CHUNK = 1024  # near one forward's time at a fraction of its peak memory (`kvcli bench`; docs/performance.md)
+DEFAULT_CHUNK = 1024  # near one forward's time at a fraction of its peak memory (docs/performance.md, chunk sizes measured)
 ANSWER_ROOM = 320  # tokens kept free for a question and its answer
 DEFAULT_LEVEL = 1  # zstd level: on byte planes of float32 caches, higher levels are slower and barely smaller
 DEFAULT_TRANSFORM = "byteplane"
@@ -30,6 +31,11 @@ QUANT_EXACT = {8: 4, 4: 32}  # first tokens kept in the compute dtype (attention
 QUANT_RECENT = {8: 0, 4: 0}  # last tokens kept in the compute dtype (the recent window), per bit width: measured, same place
 
 ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
+# Fingerprint fields that decide whether a cache still fits the model (those fit.check_fits reads).
+FINGERPRINT_KEYS = ("model_type", "config_sha256", "weights_sha256", "tokenizer_sha256", "chat_template_sha256",
+                    "dtype", "num_layers", "num_kv_heads", "head_dim", "max_positions", "weights")
+FRAMING_KEYS = ("kind", "system", "template_sha256")  # the framing asked for; where the cut fell (version, anchor,
+# pending) follows from it, the document and the tokenizer
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,28 @@ class PrefillResult:
     manifest: mf.Manifest
     compute_s: float  # model forward passes
     write_s: float  # compress + write + swap into place
+    computed: int = 0  # tokens run through the model (fewer than the cache's when it extends or grew one)
+    grown_from: int | None = None  # the tokens of the cache this one replaced by extending it (a document that grew)
+
+
+def same_setup(m: mf.Manifest, lm: LoadedModel, framing: dict, kv_bits: int | None) -> bool:
+    """Whether a cache was made by this model, with this framing asked for (its record before any cut), stored as
+    asked (lossless, or quantized to kv_bits bits): all that decides a cache but the document."""
+    if (m.quant or {}).get("bits") != kv_bits or m.framing.get("version") not in fr.SUPPORTED_VERSIONS:
+        return False
+    if any(m.model.get(k) != lm.fingerprint.get(k) for k in FINGERPRINT_KEYS):
+        return False
+    return all(m.framing.get(k) == framing.get(k) for k in FRAMING_KEYS)
+
+
+def grew(m: mf.Manifest, document: Document) -> bool:
+    """Whether the cache's document is a proper prefix of this one (its text, as UTF-8, hashes to the
+    cache's document digest): the same document, grown."""
+    import hashlib
+
+    chars = m.document.get("chars", 0)
+    return 0 < chars < len(document.text) and (
+        hashlib.sha256(document.text[:chars].encode("utf-8")).hexdigest() == m.document.get("sha256"))
 
 
 def document_token_ids(lm: LoadedModel, document: Document, framing: fr.Framing) -> list[int]:
@@ -47,7 +75,7 @@ def document_token_ids(lm: LoadedModel, document: Document, framing: fr.Framing)
 
 def document_split(lm: LoadedModel, document: Document, framing: fr.Framing,
                    split: tuple[list[int], fr.Framing] | None = None) -> tuple[list[int], fr.Framing]:
-    """The ids to cache and the framing (with where the cut falls) that questions follow; see framing.py.
+    """The ids to cache and the framing (with where the cut falls) that questions follow; see engine/prompt/framing.py.
     split: those already made by the same tokenizer (the fit check before the model loaded), only checked."""
     ids, framing = split or fr.split_document(lm.tokenizer, framing, document.text)
     exc = too_long(document.name, len(ids), lm.max_positions)
@@ -66,7 +94,7 @@ def too_long(name: str, tokens: int, limit: int | None) -> DocumentError | None:
 
 
 def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: ProgressFn | None = None,
-               timing: dict | None = None):
+               timing: dict | None = None, cache=None, start: int = 0):
     """Forward the ids through the model chunk by chunk into a KVCache with room for the whole document.
 
     Full-attention layers get buffers for the whole document up front and each chunk's keys/values are
@@ -79,6 +107,8 @@ def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: Progr
     cut depends on the load: the cache may then differ from an idle prefill's in the last bits, as it does
     between two chunk sizes; answers stay equal to a recompute). `timing`, if given, gets `forward_s` (the
     seconds inside the model's turns, waits excluded) and `sliced` (whether any chunk was cut).
+    cache/start: a restored cache holding ids[:start] (a base, or the cache of a document that grew), run on
+    from there; progress counts the tokens computed.
     """
     import torch
 
@@ -87,10 +117,11 @@ def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: Progr
 
     engine = engine_for(lm)
     total = len(ids)
-    cache = KVCache.for_model(lm.model.config, reserve=total)
+    if cache is None:
+        cache, start = KVCache.for_model(lm.model.config, reserve=total), 0
     if progress:
-        progress(0, total)  # the total is known before the first chunk: a bar shows 0/N, never 0/?
-    start, forward_s, sliced = 0, 0.0, False
+        progress(0, total - start)  # the total is known before the first chunk: a bar shows 0/N, never 0/?
+    forward_s, sliced, first = 0.0, False, start
     with torch.inference_mode():
         while start < total:
             with engine.turn():
@@ -102,7 +133,7 @@ def run_chunks(lm: LoadedModel, ids: list[int], chunk_size: int, progress: Progr
                 forward_s += time.perf_counter() - t0
             start += size
             if progress:
-                progress(min(start, total), total)
+                progress(min(start, total) - first, total - first)
     if timing is not None:
         timing.update(forward_s=forward_s, sliced=sliced)
     return cache
@@ -125,8 +156,15 @@ def prefill(
     exact_tokens: int | None = None,
     recent_tokens: int | None = None,
     split: tuple[list[int], fr.Framing] | None = None,
+    after: str | os.PathLike | None = None,
+    extend: bool = True,
 ) -> PrefillResult:
     """Compute the document's cache and write it atomically to `out` (replacing only with force).
+
+    after: a cache this one extends (a chain: `prefill --after`): it is restored, only this document's tokens
+    run on top of it, and the new cache stores only theirs plus a link to it. extend: where `out` holds this
+    document's cache from when it was shorter (same model, framing, base, lossless), only what was added is
+    computed (from the first token whose id changed) and the grown cache replaces it; force recomputes all.
 
     kv_bits 8 or 4 stores it group-quantized (lossy, 4-8x smaller than raw; see format/quant.py);
     None (the default) stores it losslessly. split: the document's ids and framing from the fit check made
@@ -141,40 +179,142 @@ def prefill(
     if not 1 <= group_size <= mf.MAX_GROUP or exact_tokens < 0 or recent_tokens < 0:
         raise UsageError(f"quantization group size {group_size} / exact tokens {exact_tokens} / recent tokens "
                          f"{recent_tokens} out of range")
-    frame = fr.choose(lm.tokenizer, framing, system)
-    ids, frame = document_split(lm, document, frame, split)
+    asked = fr.choose(lm.tokenizer, framing, system)
     out = Path(out)
-    with writing.atomic_cache_dir(out, force=force) as tmp:
-        t0 = time.perf_counter()
-        timing: dict = {}
-        cache = run_chunks(lm, ids, chunk_size, progress, timing)
-        t1 = time.perf_counter()
-        if not timing["sliced"]:  # the model to itself: a speed count can go by (its waits for turns left out)
-            _record_speed(lm, len(ids), timing["forward_s"])
-        states = layers.read(cache)
-        del cache
-        compression = {"codec": "zstd", "level": level, "transform": transform}
-        if kv_bits is not None:
-            compression = {**compression, "transform": "none",
-                           "quant": quant_spec(states, kv_bits, group_size=group_size, exact_tokens=exact_tokens,
-                                              recent_tokens=recent_tokens)}
-        entries = write_layers(tmp, states, len(ids), transform=compression["transform"], level=level,
-                               quant=compression.get("quant"))
-        manifest = mf.Manifest(
-            format_version=mf.FORMAT_VERSION,
-            kvcli_version=__version__,
-            transformers_version=_transformers_version(),
-            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            model={**lm.fingerprint, "source": lm.source},
-            framing=frame.record(lm.tokenizer),
-            document=document.record(),
-            token_ids=ids,
-            compression=compression,
-            layers=entries,
-            provenance=provenance(lm),
-        )
-        writing.write_file(tmp, mf.MANIFEST_NAME, manifest.dumps())  # written last: no manifest, no cache
-    return PrefillResult(path=out, manifest=manifest, compute_s=t1 - t0, write_s=time.perf_counter() - t1)
+    with ExitStack() as stack:
+        base = stack.enter_context(_open_base(lm, after, asked)) if after is not None else None
+        if base is not None:  # the new text's ids after the base's, joined as one document
+            new_ids, frame = fr.split_extension(lm.tokenizer, fr.Framing.from_record(base.manifest.framing),
+                                                base.manifest.token_ids, document.text)
+            ids = base.manifest.token_ids + new_ids
+            exc = too_long(document.name, len(ids), lm.max_positions)
+            if exc is not None:
+                raise exc
+        else:
+            ids, frame = document_split(lm, document, asked, split)
+        old = _grown_cache(out, lm, document, asked, kv_bits, base, stack) if extend and not force else None
+        with writing.atomic_cache_dir(out, force=force or old is not None) as tmp:
+            t0 = time.perf_counter()
+            timing: dict = {}
+            restored, start = _resume(old or base, ids, lm)
+            cache = run_chunks(lm, ids, chunk_size, progress, timing, cache=restored, start=start)
+            t1 = time.perf_counter()
+            if not timing["sliced"] and len(ids) > start:  # the model to itself: a speed count can go by
+                _record_speed(lm, len(ids) - start, timing["forward_s"])
+            states = layers.read(cache)
+            del cache, restored
+            if base is not None:  # a link stores its own tokens of every full layer (a window: the chain's last)
+                b = base.manifest.num_tokens
+                states = [layers.LayerState(s.kind, s.keys[:, :, b:], s.values[:, :, b:], s.seq_length, None)
+                          if s.kind == "full" else s for s in states]
+            compression = {"codec": "zstd", "level": level, "transform": transform}
+            if kv_bits is not None:
+                compression = {**compression, "transform": "none",
+                               "quant": quant_spec(states, kv_bits, group_size=group_size, exact_tokens=exact_tokens,
+                                                  recent_tokens=recent_tokens)}
+            entries = write_layers(tmp, states, len(ids), transform=compression["transform"], level=level,
+                                   quant=compression.get("quant"))
+            manifest = mf.Manifest(
+                format_version=mf.FORMAT_VERSION,
+                kvcli_version=__version__,
+                transformers_version=_transformers_version(),
+                created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                model={**lm.fingerprint, "source": lm.source},
+                framing=frame.record(lm.tokenizer),
+                document=document.record(),
+                token_ids=ids,
+                compression=compression,
+                layers=entries,
+                provenance=provenance(lm),
+                base=_link(out, base) if base is not None else None,
+            )
+            writing.write_file(tmp, mf.MANIFEST_NAME, manifest.dumps())  # written last: no manifest, no cache
+    return PrefillResult(path=out, manifest=manifest, compute_s=t1 - t0, write_s=time.perf_counter() - t1,
+                         computed=len(ids) - start, grown_from=old.manifest.num_tokens if old is not None else None)
+
+
+def _open_base(lm: LoadedModel, after: str | os.PathLike, asked: fr.Framing):
+    """The cache a new one extends, its chain opened and checked against this model and the framing asked for."""
+    from ..errors import CacheMismatchError
+    from ..format import store
+    from .model import fit
+
+    opened = store.open_cache(after)
+    try:
+        fit.check_fits(opened.manifest, lm, str(after))
+        if opened.manifest.quant is not None:
+            raise CacheMismatchError(f"{after}: is stored {opened.manifest.storage} (lossy); a cache extends only a "
+                                     "lossless one, so that its own keys/values are those of the whole prompt")
+        record = asked.record(lm.tokenizer)
+        if any(opened.manifest.framing.get(k) != record.get(k) for k in FRAMING_KEYS):
+            raise CacheMismatchError(f"{after}: was made with another prompt framing (kind, system prompt or template) "
+                                     "than the one asked for; a cache extends only one framed the same way")
+    except BaseException:
+        opened.close()
+        raise
+    return opened
+
+
+def _grown_cache(out: Path, lm: LoadedModel, document: Document, asked: fr.Framing, kv_bits: int | None, base,
+                 stack: ExitStack):
+    """The cache at `out`, opened, if it holds an earlier, shorter version of this document made the same way
+    (same model, framing, base, lossless storage): only what was added need be computed. None otherwise."""
+    from ..errors import CacheError
+    from ..format import store
+
+    if not store.is_cache(out):
+        return None
+    try:
+        old = stack.enter_context(store.open_cache(out))
+    except CacheError:
+        return None
+    m = old.manifest
+    same_base = (m.base or {}).get("manifest_sha256") == (base.manifest.digest if base is not None else None)
+    if not (grew(m, document) and same_base and m.quant is None and kv_bits is None
+            and same_setup(m, lm, asked.record(lm.tokenizer), None)):
+        return None
+    return old
+
+
+def _resume(opened, ids: list[int], lm: LoadedModel):
+    """A cache restored from `opened` (a base, or the cache of a document that grew) holding the longest start of
+    `ids` it can, and that length; (None, 0) when nothing can be kept. A sliding-window layer cannot be cut back
+    (it no longer holds the tokens before its window): such a model resumes from the chain below, else from zero."""
+    from .cache.kvcache import FullLayer
+    from .cache.restore import load_cache
+
+    while opened is not None:
+        m = opened.manifest
+        keep = _common(m.token_ids, ids)
+        sliding = any(e.kind == "sliding" for e in m.layers)
+        if keep >= m.base_tokens and (keep == m.num_tokens or not sliding) and keep > 0:
+            cache = load_cache(opened, device=lm.device, dtype=lm.dtype, room=len(ids) - m.num_tokens)
+            for layer in cache.layers:
+                if isinstance(layer, FullLayer) and keep < m.num_tokens:
+                    layer.crop(keep - m.num_tokens)  # [1, kv_heads, keep, head_dim] kept
+            return cache, keep
+        opened = opened.base
+    return None, 0
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the longest common start of two id lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _link(out: Path, base) -> dict:
+    """A link's record of its base: its digest, tokens, and path relative to the new cache's folder (absolute when
+    the two share no root)."""
+    target = base.path.resolve()
+    try:
+        recorded = os.path.relpath(target, out.resolve())
+    except ValueError:  # another drive
+        recorded = str(target)
+    return {"manifest_sha256": base.manifest.digest, "path": recorded, "num_tokens": base.manifest.num_tokens}
 
 
 def quant_spec(states: list[layers.LayerState], bits: int, *, group_size: int = QUANT_GROUP,

@@ -37,7 +37,25 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "kvcli_version": m.kvcli_version,
         "transformers_version": m.transformers_version,
         "provenance": m.provenance,  # None for caches written before it was recorded
+        "base": _base(path, m),  # the cache it extends (prefill --after), or None
     }
+
+
+def _base(path: Path, m: Manifest) -> dict[str, Any] | None:
+    if m.base is None:
+        return None
+    try:
+        where = str(store.base_path(Path(path), m.base["path"]))
+    except CacheError:  # a link to an object-store URL
+        where = m.base["path"]
+    return {**m.base, "path": where}
+
+
+def chain_rows(opened: "store.OpenedCache") -> list[dict[str, Any]]:
+    """The links of an opened chain, the first first: path, tokens in all, tokens it stores, document."""
+    return [{"path": str(c.path), "num_tokens": c.manifest.num_tokens,
+             "own_tokens": c.manifest.num_tokens - c.manifest.base_tokens, "document": c.manifest.document}
+            for c in opened.chain()]
 
 
 def describe_storage(m: Manifest) -> str:

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import manifest as mf
-from ..errors import KvcliError, UsageError
+from . import manifest as mf, store
+from ..errors import CacheError, KvcliError, UsageError
 from .store import TMP_MARK
 from .writing import hidden_sibling, is_leftover, remove_if_stale
 
@@ -92,12 +92,40 @@ def distinct(paths: list[Path]) -> list[Path]:
     return list(seen.values())
 
 
-def check_removable(paths: list[Path]) -> None:
-    """Refuse the whole request, before removing anything, if any path is not a kvcli cache."""
+def check_removable(paths: list[Path], *, force: bool = False) -> None:
+    """Refuse the whole request, before removing anything, if any path is not a kvcli cache, or (unless force)
+    is the base of a cache beside it that is not removed too (prefill --after)."""
+    gone = {os.path.realpath(p) for p in paths}
     for path in paths:
         why = not_a_cache(Path(path))
         if why:
             raise KvcliError(f"{path}: {why}; refusing to remove it (nothing was removed)")
+        kept = [p for p in extended_by(Path(path)) if os.path.realpath(p) not in gone]
+        if kept and not force:
+            raise KvcliError(f"{path}: {kept[0]} extends it (prefill --after); remove both, or pass --force to break "
+                             "the link (nothing was removed)")
+
+
+def _needed(path: Path, older_than_s: float, depth: int = 0) -> bool:
+    """Whether a cache beside `path` that prune keeps (younger, or itself needed) extends it."""
+    return depth < mf.MAX_CHAIN and any(age_of(p) < older_than_s or _needed(p, older_than_s, depth + 1)
+                                        for p in extended_by(path))
+
+
+def extended_by(path: Path) -> list[Path]:
+    """The caches in `path`'s folder that extend it (their manifests name it as their base)."""
+    target = os.path.realpath(path)
+    found = []
+    for entry in sorted(path.parent.iterdir()) if path.parent.is_dir() else ():
+        if entry.name == path.name or not store.is_cache(entry):
+            continue
+        try:
+            m = store.read_manifest(entry, chain=False)
+            if m.base is not None and os.path.realpath(store.base_path(entry, m.base["path"])) == target:
+                found.append(entry)
+        except CacheError:
+            continue
+    return found
 
 
 def prune(folder: str | os.PathLike, *, older_than_s: float | None = None, dry_run: bool = False) -> list[Removal]:
@@ -116,7 +144,7 @@ def prune(folder: str | os.PathLike, *, older_than_s: float | None = None, dry_r
                 done.append(Removal(path=entry, kind="leftover", bytes=size))
         elif older_than_s is not None and not_a_cache(entry) is None:
             age = age_of(entry)
-            if age >= older_than_s:
+            if age >= older_than_s and not _needed(entry, older_than_s):
                 done.append(Removal(path=entry, kind="cache", bytes=size_of(entry), age_s=age) if dry_run
                             else Removal(path=entry, kind="cache", bytes=remove_cache(entry).bytes, age_s=age))
     return done

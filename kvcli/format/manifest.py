@@ -22,8 +22,8 @@ FORMAT_VERSION = 3  # what kvcli writes: shards hashed with BLAKE3, lossless or 
 LOSSLESS_SHA256_VERSION = 1  # older caches, still read: lossless, shards hashed with sha256
 QUANT_SHA256_VERSION = 2  # older 8-/4-bit caches (a kvcli that reads only 1 says "version 2 not supported")
 SUPPORTED_VERSIONS = (LOSSLESS_SHA256_VERSION, QUANT_SHA256_VERSION, FORMAT_VERSION)
-# The hash of every shard's stored bytes, by format version; a layer entry names it as its digest's key. BLAKE3 runs
-# at 3.1 GB/s a core where sha256 runs at 1.5 (with SHA extensions), and restore hashes every byte it reads.
+# The hash of every shard's stored bytes, by format version; a layer entry names it as its digest's key. BLAKE3 hashes
+# about twice as fast as sha256 with SHA extensions, and restore hashes every byte it reads (docs/performance.md).
 SHARD_HASHES = {LOSSLESS_SHA256_VERSION: "sha256", QUANT_SHA256_VERSION: "sha256", FORMAT_VERSION: "blake3"}
 KV_BITS = (8, 4)
 FRAMING_VERSION = 1  # recorded when the cut is at the document's end (no anchor, nothing pending)
@@ -45,7 +45,9 @@ MAX_KV_HEADS = 4096
 MAX_HEAD_DIM = 8192
 MAX_TOKENS = 1 << 24
 _TOP_KEYS = {"format", "format_version", "manifest_sha256", "kvcli_version", "transformers_version", "created",
-             "model", "framing", "document", "token_ids", "compression", "layers", "provenance"}
+             "model", "framing", "document", "token_ids", "compression", "layers", "provenance", "base"}
+BASE_KEYS = ("manifest_sha256", "path", "num_tokens")  # the cache this one extends (format 3): its digest, where it lies
+MAX_CHAIN = 64  # links a chain may have: bounds a hostile loop of bases
 # What computed the keys/values (optional: caches written before 0.1 provenance lack it). Other kernels
 # give logits that differ in the last bits, which can flip a greedy token where the top two nearly tie.
 PROVENANCE_KEYS = ("torch_version", "device_type", "attn_implementation")
@@ -102,10 +104,21 @@ class Manifest:
     compression: dict[str, Any]  # codec, level, transform
     layers: list[LayerEntry] = field(default_factory=list)
     provenance: dict[str, str] | None = None  # torch_version, device_type, attn_implementation
+    base: dict[str, Any] | None = None  # the cache this one extends: manifest_sha256, path, num_tokens (BASE_KEYS)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def base_tokens(self) -> int:
+        """Tokens held by the chain below this cache (0 for a cache that extends none); full layers store the rest."""
+        return self.base["num_tokens"] if self.base else 0
+
+    @property
+    def digest(self) -> str:
+        """The manifest's own checksum: what a cache that extends this one records."""
+        return self.to_json()["manifest_sha256"]
 
     @property
     def dtype(self) -> str:
@@ -150,8 +163,9 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         body = {"format": FORMAT_NAME, **asdict(self)}
-        if body["provenance"] is None:
-            del body["provenance"]  # an older manifest re-serialised keeps its checksum
+        for key in ("provenance", "base"):
+            if body[key] is None:
+                del body[key]  # an older manifest re-serialised keeps its checksum
         body["layers"] = [layer.to_json(self.shard_hash) for layer in self.layers]
         body["manifest_sha256"] = checksum(body)
         return body
@@ -248,7 +262,8 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
     layers_raw = get_field(body, "layers", list, where)
     if len(layers_raw) != model["num_layers"]:
         raise bad(where, f"{len(layers_raw)} layers listed, model has {model['num_layers']}")
-    layers = [_layer(entry, i, len(token_ids), model, where, quant, SHARD_HASHES[version])
+    base = _base(body, len(token_ids), version, where)
+    layers = [_layer(entry, i, len(token_ids), base["num_tokens"] if base else 0, model, where, quant, SHARD_HASHES[version])
               for i, entry in enumerate(layers_raw)]
     provenance = _provenance(body, where)
     return Manifest(
@@ -263,7 +278,25 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
         compression=compression,
         layers=layers,
         provenance=provenance,
+        base=base,
     )
+
+
+def _base(body: dict, num_tokens: int, version: int, where: str) -> dict[str, Any] | None:
+    """The optional link to the cache this one extends: its manifest digest, its path (relative to this cache's
+    folder, or absolute) and the tokens it holds, fewer than this cache's."""
+    base = get_field(body, "base", dict, where, optional=True)
+    if base is None:
+        return None
+    if version != FORMAT_VERSION:
+        raise bad(where, f"format version {version} has no 'base' field")
+    if set(base) != set(BASE_KEYS):
+        raise bad(where, f"manifest field 'base' must hold exactly {list(BASE_KEYS)}")
+    str_field(base, "base.manifest_sha256", where, pattern=_SHA256)
+    if not str_field(base, "base.path", where):
+        raise bad(where, "manifest field 'base.path' is empty")
+    int_field(base, "base.num_tokens", where, 1, num_tokens - 1)
+    return dict(base)
 
 
 def _framing_cut(framing: dict, num_tokens: int, where: str) -> None:
@@ -326,7 +359,8 @@ def _quant(quant: Any, compression: dict, where: str) -> None:
         raise bad(where, "a quantized cache has no byte-plane transform")
 
 
-def _layer(entry: Any, i: int, num_tokens: int, model: dict, where: str, quant: dict | None, hash_name: str) -> LayerEntry:
+def _layer(entry: Any, i: int, num_tokens: int, base_tokens: int, model: dict, where: str, quant: dict | None,
+           hash_name: str) -> LayerEntry:
     w = f"{where} (layer {i})"
     if not isinstance(entry, dict):
         raise bad(w, "layer entry is not an object")
@@ -343,9 +377,10 @@ def _layer(entry: Any, i: int, num_tokens: int, model: dict, where: str, quant: 
         raise bad(w, "sliding_window must be given exactly for sliding layers")
     seq_length = int_field(entry, "seq_length", w, 0, 1 << 31)
     cached = int_field(entry, "cached_length", w, 0, 1 << 31)
-    expect_cached = num_tokens if kind == "full" else min(num_tokens, window - 1)
+    expect_cached = num_tokens - base_tokens if kind == "full" else min(num_tokens, window - 1)  # a link: its own tokens
     if seq_length != num_tokens or cached != expect_cached:
-        raise bad(w, f"lengths {cached}/{seq_length} do not fit {num_tokens} cached tokens")
+        raise bad(w, f"lengths {cached}/{seq_length} do not fit {num_tokens} cached tokens"
+                     + (f" ({base_tokens} of them in its base)" if base_tokens else ""))
     name = get_field(entry, "file", str, w)
     if not _SHARD_NAME.fullmatch(name) or name != shard_name(i):  # never a path: no '/', no '..', one name per layer
         raise bad(w, f"shard name {name!r} is not the plain file name {shard_name(i)!r}")

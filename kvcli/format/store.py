@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import manifest as mf, payload
-from ..errors import CacheCorruptError, CacheMissingError
+from ..errors import CacheCorruptError, CacheError, CacheMismatchError, CacheMissingError
 
 TMP_MARK = ".kvtmp-"
 
@@ -27,6 +27,15 @@ class OpenedCache:
     path: Path
     manifest: mf.Manifest
     shards: list[int]  # file descriptors, one per layer, in layer order
+    base: "OpenedCache | None" = None  # the cache this one extends, opened and checked against its link
+
+    def chain(self) -> list["OpenedCache"]:
+        """Every link, the first (the one that extends none) first, this one last."""
+        links, link = [], self
+        while link is not None:
+            links.append(link)
+            link = link.base
+        return links[::-1]
 
     def read_shard(self, i: int) -> bytes:
         """The stored bytes of layer i, checked against the manifest's size and digest."""
@@ -53,6 +62,8 @@ class OpenedCache:
         for fd in self.shards:
             os.close(fd)
         self.shards = []
+        if self.base is not None:
+            self.base.close()
 
     def __enter__(self) -> "OpenedCache":
         return self
@@ -182,16 +193,65 @@ def _open_in(dir_fd: int, name: str, where: Path) -> int:
     return fd
 
 
-def read_manifest(path: str | os.PathLike, *, shards: bool = False) -> mf.Manifest:
+def read_manifest(path: str | os.PathLike, *, shards: bool = False, chain: bool = True) -> mf.Manifest:
     """Validate and return the manifest of the cache at `path`; no shard is touched (restore and verify check
-    them). shards=True also opens each shard, never reading it, so that a missing one is refused."""
-    with open_cache(path, shards=shards) as cache:
+    them). shards=True also opens each shard, never reading it, so that a missing one is refused. chain=False:
+    this cache's own manifest, its base (if it extends one) not looked at."""
+    with open_cache(path, shards=shards, chain=chain) as cache:
         return cache.manifest
 
 
-def open_cache(path: str | os.PathLike, *, shards: bool = True) -> OpenedCache:
-    """Open a cache: validated manifest and open shard handles (none without shards), all from one directory snapshot."""
-    path = Path(path)
+def open_cache(path: str | os.PathLike, *, shards: bool = True, chain: bool = True) -> OpenedCache:
+    """Open a cache: validated manifest and open shard handles (none without shards), all from one directory snapshot.
+
+    A cache that extends another (`prefill --after`) opens its whole chain (unless chain=False), each link checked
+    against the one above it (base_problem); a missing, changed or foreign link is refused, naming it."""
+    top = _open_link(Path(path), shards)
+    link = top
+    try:
+        for _depth in range(mf.MAX_CHAIN):
+            if link.manifest.base is None or not chain:
+                return top
+            where = base_path(link.path, link.manifest.base["path"])
+            try:
+                link.base = _open_link(where, shards)
+            except CacheMissingError as exc:
+                raise CacheMissingError(f"{link.path}: extends {where}, which cannot be opened ({exc})") from None
+            except CacheError as exc:
+                raise type(exc)(f"{link.path}: extends {where}, which is not a usable cache ({exc})") from None
+            problem = base_problem(link.manifest, link.base.manifest)
+            if problem:
+                raise CacheMismatchError(f"{link.path}: its base {where} {problem}; prefill it again with --after")
+            link = link.base
+        raise CacheCorruptError(f"{path}: a chain of more than {mf.MAX_CHAIN} caches (a loop of bases?)")
+    except BaseException:
+        top.close()
+        raise
+
+
+def base_path(link: Path, recorded: str) -> Path:
+    """Where a link's base lies: its recorded path, taken relative to the link's own folder unless absolute."""
+    if "://" in recorded:
+        raise CacheMissingError(f"{link}: extends {recorded}, an object-store URL; fetch the chain into one local "
+                                "folder and prefill it with --after there")
+    return Path(os.path.normpath(link / recorded))
+
+
+def base_problem(link: mf.Manifest, base: mf.Manifest) -> str | None:
+    """What makes `base` not the cache `link` was computed on (None if it is): the same manifest (its digest),
+    model, framing and token ids."""
+    if base.digest != link.base["manifest_sha256"]:
+        return "has changed since this cache was made (its manifest digest differs)"
+    if base.num_tokens != link.base["num_tokens"] or base.token_ids != link.token_ids[: base.num_tokens]:
+        return "holds other token ids than the start of this cache"
+    if {k: v for k, v in base.model.items() if k != "source"} != {k: v for k, v in link.model.items() if k != "source"}:
+        return "was made with another model or dtype"
+    if any(base.framing.get(k) != link.framing.get(k) for k in ("kind", "system", "template_sha256")):
+        return "was made with another prompt framing"
+    return None
+
+
+def _open_link(path: Path, shards: bool) -> OpenedCache:
     if TMP_MARK in path.name:
         raise CacheMissingError(f"{path}: is the temporary folder of an unfinished or interrupted prefill, not a cache")
     for _attempt in range(5):  # a concurrent replace can remove files between two opens: start over
@@ -265,27 +325,28 @@ def verify(path: str | os.PathLike, *, decode: bool = True, threads: int | None 
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    with open_cache(path) as cache:
-        m = cache.manifest
+    with open_cache(path) as top:
+        work = [(cache, i) for cache in top.chain() for i in range(len(cache.manifest.layers))]  # every link's shards
 
-        def one(i: int) -> None:
-            entry = m.layers[i]
+        def one(cache: OpenedCache, i: int) -> None:
+            m, entry = cache.manifest, cache.manifest.layers[i]
             data = cache.read_shard(i)
             if decode:
                 check_payload(data, where=str(cache.path / entry.file), transform=m.transform, dtype=m.dtype,
                               key_shape=entry.key_shape, value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes,
                               quant=m.quant)
 
-        workers = threads or (1 if max(e.stored_bytes for e in m.layers) > PARALLEL_VERIFY_MAX else min(usable_cores(), 8))
-        with ThreadPoolExecutor(max_workers=max(1, min(len(m.layers), workers))) as pool:
-            futures = [pool.submit(one, i) for i in range(len(m.layers))]
+        largest = max(c.manifest.layers[i].stored_bytes for c, i in work)
+        workers = threads or (1 if largest > PARALLEL_VERIFY_MAX else min(usable_cores(), 8))
+        with ThreadPoolExecutor(max_workers=max(1, min(len(work), workers))) as pool:
+            futures = [pool.submit(one, c, i) for c, i in work]
             try:
                 for f in futures:  # in layer order: the first bad shard is the one reported
                     f.result()
             finally:
                 for f in futures:
                     f.cancel()
-        return m
+        return top.manifest
 
 
 PARALLEL_VERIFY_MAX = 256 << 20  # stored bytes of the largest shard up to which verify holds one shard per thread

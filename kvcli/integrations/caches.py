@@ -1,7 +1,7 @@
 """Which kvcli caches an engine may load, and which cache a prompt starts with. No torch, no engine.
 
 An engine (vLLM) describes the model it runs as an `EngineModel` in the manifest's own terms; `refusal`
-applies the fit rules of `kvcli ask` (kvcli/engine/fit.py) to a manifest and returns the reason a cache
+applies the fit rules of `kvcli ask` (kvcli/engine/model/fit.py) to a manifest and returns the reason a cache
 does not fit, or None. `CacheIndex` holds the caches that fit, keyed by their first block of token ids,
 and `match` finds, for a prompt's ids, the cache sharing the longest prefix with it, in whole blocks and
 never the whole prompt (the engine must compute at least one token to produce logits).
@@ -88,6 +88,8 @@ def refusal(m: mf.Manifest, engine: EngineModel) -> str | None:
         return f"{m.num_tokens} cached tokens do not fit the engine's {engine.max_positions} positions"
     if engine.vocab_size is not None and max(m.token_ids) >= engine.vocab_size:
         return f"token id {max(m.token_ids)} is outside the engine's vocabulary of {engine.vocab_size} ids (forged manifest?)"
+    if m.base is not None:
+        return "extends another cache (a chain made by prefill --after); the connector loads single caches"
     if m.quant is not None and not engine.allow_lossy:
         return (f"{m.storage} cache (lossy: answers would differ from the engine's own prefill); "
                 "set \"allow_lossy\": true in kv_connector_extra_config to load it dequantized")

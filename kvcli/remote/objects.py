@@ -185,6 +185,9 @@ class RemoteTarget:
         from ..engine import prefilling
 
         check_writable(self.url)
+        if options.get("after") is not None:
+            raise UsageError(f"{self.url}: a cache that extends another (--after) is written to a local folder, "
+                             "beside its base; upload the chain's folders together")
         with tempfile.TemporaryDirectory(prefix="kvcli-upload-") as tmp:
             r = prefilling.prefill(lm, document, Path(tmp) / "cache.kv", **options)
             upload(r.path, self.url, force=force)

@@ -185,6 +185,9 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     if not isinstance(pairs, list) or not pairs or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in pairs):
         raise protocol.ProtocolError("docs must be a non-empty list of [document, cache] paths")
     kv_bits = mf.check_kv_bits(req.get("kv_bits"), "kv_bits")
+    after = req.get("after")
+    if after is not None and not isinstance(after, str):
+        raise protocol.ProtocolError("after must be a cache path")
     from ..engine import corpus
     from ..events import prefill_events
 
@@ -203,7 +206,7 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
                           read=lambda doc: documents.read(doc, req.get("encoding") or "utf-8"), incremental=False, upfront=True,
                           fit=lambda: _fit_check(req), cancelled=conn.cancelled, system=req.get("system"),
                           framing=req.get("framing") or "auto", chunk_size=req.get("chunk_size"), force=bool(req.get("force")),
-                          kv_bits=kv_bits)
+                          kv_bits=kv_bits, after=after)
 
 
 def _fit_check(req: dict[str, Any]):

@@ -45,7 +45,8 @@ class _Entry:
     obj: Any  # LoadedModel or Session
     nbytes: int
     info: dict[str, Any]
-    identity: tuple = ()  # caches: what says the directory is still the one restored
+    identity: tuple = ()  # caches: what says the directory (and each base of a chain) is still the one restored
+    links: tuple = ()  # caches: the folders of the chain below it (prefill --after), checked as the cache is
     model_key: str = ""  # caches: the model entry they were restored against
     users: int = 0
     answers: int = 0  # questions answered from it (a model: from any of its caches)
@@ -275,6 +276,8 @@ class Warm:
             entry = self._entries.get(key)
             if entry is None:
                 return None
+            if now is not None:
+                now = (now, *(_identity_or_none(p) for p in entry.links))
             if entry.identity != now or entry.model_key not in self._entries:
                 if entry.users == 0:
                     self._drop(key)
@@ -313,12 +316,14 @@ class Warm:
                     model_entry = self._take(self._alias.get(mkey, mkey))
                     if model_entry is None:
                         model_entry = self._load_model(mkey, source, device, want, trust_remote_code, progress)
+            links = tuple(link.path for o in opened for link in o.chain()[:-1])  # the bases of each cache (a chain's links)
+            identity = (identity, *(_identity_or_none(p) for p in links))
             try:
                 session = an.Session(model_entry.obj, opened if blend is not None else opened[0], convert_dtype=convert_dtype,
                                      blend=blend)
                 info = {"path": " + ".join(str(p) for p in paths), "model": model_entry.info["name"],
                         "num_tokens": len(session.token_ids), "dtype": manifest.dtype, "load_s": round(session.load_s, 4)}
-                entry = _Entry(key, "cache", session, session.nbytes(), info, identity=identity, model_key=model_entry.key,
+                entry = _Entry(key, "cache", session, session.nbytes(), info, identity=identity, links=links, model_key=model_entry.key,
                                users=1, measure=session.nbytes)
                 with self._mutex:
                     self._entries[key] = entry
@@ -378,3 +383,10 @@ class Warm:
 def _identity(path: Path | tuple) -> tuple:
     """memory.identity of a cache, or of each cache of a blend."""
     return tuple(memory.identity(p) for p in path) if isinstance(path, tuple) else memory.identity(path)
+
+
+def _identity_or_none(path: Path) -> tuple | None:
+    try:
+        return memory.identity(path)
+    except OSError:
+        return None

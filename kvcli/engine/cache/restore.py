@@ -14,7 +14,7 @@ from ...format.store import OpenedCache, usable_cores
 QUESTION_TOKENS = GROW_STEP  # room for a question (its framing included) ...
 ANSWER_TOKENS = 256  # ... plus an answer of the default --max-new-tokens (engine/decoding/request.py)
 ROOM_TOKENS = QUESTION_TOKENS + ANSWER_TOKENS  # spare tokens after each full-attention layer's document: a question
-# and a default-length answer append in place; a longer one grows the buffer once, to what it needs (solo.py)
+# and a default-length answer append in place; a longer one grows the buffer once, to what it needs (engine/decoding/solo.py)
 
 
 def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threads: int | None = None,
@@ -29,33 +29,49 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
     import torch
 
     m = cache.manifest
+    links = cache.chain()  # one cache, or the links of a chain (`prefill --after`), the first first
     stored = DTYPES[m.dtype]
     target = dtype or stored
     direct = torch.device(device).type == "cpu" and target == stored
     extra = max(0, ROOM_TOKENS if room is None else room)
 
-    def one(i: int):
+    def allocate(i: int):
         entry = m.layers[i]
-        if entry.kind == "full":
+        if entry.kind == "full":  # the whole chain's tokens: each link fills its own span
             layer = FullLayer()
-            keys, values = layer.allocate(entry.key_shape, entry.value_shape, target, device, extra)
-        else:
+            keys, values = layer.allocate(_whole(entry.key_shape, m), _whole(entry.value_shape, m), target, device, extra)
+        else:  # a sliding window holds the chain's last tokens: the top link's shard alone
             layer = SlidingLayer(entry.sliding_window)
             keys = torch.empty(entry.key_shape, dtype=target, device=device)
             values = torch.empty(entry.value_shape, dtype=target, device=device)
+        return layer, keys, values
+
+    def fill(i: int, link, keys, values) -> None:
+        start = link.manifest.base_tokens if m.layers[i].kind == "full" else 0
+        span = link.manifest.layers[i].key_shape[2]
+        out = (keys[:, :, start : start + span], values[:, :, start : start + span])  # [1, kv_heads, span, head_dim]
         if direct:
-            _decode_shard(cache, i, stored, (keys, values))
+            _decode_shard(link, i, stored, out)
         else:  # another dtype or device: decode on the CPU, then convert into place
-            k, v = _decode_shard(cache, i, stored, None)
-            keys.copy_(k)
-            values.copy_(v)
+            k, v = _decode_shard(link, i, stored, None)
+            out[0].copy_(k)
+            out[1].copy_(v)
+
+    built = [allocate(i) for i in range(len(m.layers))]
+    work = [(i, link) for i in range(len(m.layers))
+            for link in (links if m.layers[i].kind == "full" else [cache])]
+    workers = threads or default_threads(len(work))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(lambda job: fill(job[0], job[1], *built[job[0]][1:]), work))
+    for entry, (layer, keys, values) in zip(m.layers, built):
         if entry.kind != "full":
             layer.restore(keys, values, entry.seq_length)
-        return layer
+    return KVCache([layer for layer, _k, _v in built])
 
-    workers = threads or default_threads(len(m.layers))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return KVCache(list(pool.map(one, range(len(m.layers)))))
+
+def _whole(shape: tuple[int, ...], m) -> tuple[int, ...]:
+    """A full layer's shape over the whole chain: [1, kv_heads, base tokens + this link's, head_dim]."""
+    return (*shape[:2], m.num_tokens, shape[3])
 
 
 def default_threads(layers: int) -> int:

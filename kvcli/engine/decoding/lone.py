@@ -1,7 +1,7 @@
 """A batch whose lone row runs on the model's own attention: one question alone costs what generate() costs.
 
 Cascade attention (batch.py) pays two attention passes and a merge in every layer; for a single row that
-is pure overhead (0.2's single-question decode was 1.36x faster than a batch of one). So while a document
+is pure overhead (a batch of one decodes slower than the document's own cache). So while a document
 has one row and nobody waiting, that row decodes on the Session's own KVCache (solo.py: the tokens land in
 the spare room after the document, the model's fused attention reads one contiguous buffer). When a second
 row arrives, the lone row's own keys/values move into a row of the batch's suffix buffers and every row

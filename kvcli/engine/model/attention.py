@@ -191,8 +191,8 @@ def _document_part(layer, qp, work, softcap, slots):
     o [kv_heads, n, vdim] and the maxima m and sums l [kv_heads, n, 1] of its softmax, the attention being o / l.
 
     Without a window or softcap, on the CPU, torch's flash kernel does it in one call that reads each key once
-    (o comes normalized: m is its log-sum-exp and l one): about 0.7 of the plain products' time for 8 questions
-    on 2,247 tokens (docs/performance.md, "Batched steps")."""
+    (o comes normalized: m is its log-sum-exp and l one), faster than the plain products for a batch
+    (docs/performance.md, "Batched steps", has the measurement)."""
     import torch
 
     pk, pv = layer.prefix_keys[0], layer.prefix_values[0]  # [kv_heads, cached, dim]

@@ -2,11 +2,10 @@
 
 Weight-first: W [out, in] @ x^T, for a few float32 rows.
 torch's `linear` of a few rows (x @ W^T) can run well below the same product with the weight as the left
-operand through MKL on AVX2 CPUs (tests/bench/bench_decode.py measures both; docs/performance.md, "Batched
-steps"). Only the batch's forward passes
-(engine/decoding/batch.py) run inside weight_first(): one question's forward keeps torch's own kernel, which
-gives every row the bits a recompute gives it, while batched rows are held to float32's rounding anyway
-(engine/scheduling/probe.py).
+operand through MKL on AVX2 CPUs (docs/performance.md, "Batched steps", has the measurement). Only the batch's
+forward passes (engine/decoding/batch.py) run inside weight_first(): one question's forward keeps torch's own
+kernel, which gives every row the bits a recompute gives it, while batched rows are held to float32's rounding
+anyway (engine/scheduling/probe.py).
 
 Split rows: torch's `linear` of one float32 row (MKL's sgemv) runs on one core whatever the thread count on
 some CPUs (AMD EPYC, for one); on others (Intel Xeon, for one) MKL threads it itself, and split_rows_helps says no.

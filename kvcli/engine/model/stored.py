@@ -98,7 +98,7 @@ class Q8Linear(torch.nn.Module):
     """y = x W^T (+ b) with W held as int8 codes and one bfloat16 scale per output row: w = q * scale.
 
     Up to WIDE rows (decoding) run torch's int8 kernel on bfloat16 inputs; more rows (a prefill chunk, a recompute),
-    where that kernel ran 2x slower than float32 GEMM here, multiply the same bfloat16 inputs by the dequantized
+    where that kernel is slower than float32 GEMM, multiply the same bfloat16 inputs by the dequantized
     weights in float32 (q * scale is exact there) and round to bfloat16 as the kernel does: only the order of the
     sums differs."""
 

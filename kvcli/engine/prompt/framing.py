@@ -110,10 +110,35 @@ def split_document(tokenizer: Any, framing: Framing, document: str) -> tuple[lis
     If none does (a tokenizer kvcli cannot split), the cut stays at the document's end.
     """
     before, middle, tail, special = _texts(tokenizer, framing, document)
+    return _split(tokenizer, Framing(framing.kind, framing.system), before, middle, tail, special)
+
+
+def split_extension(tokenizer: Any, base: Framing, base_ids: list[int], text: str) -> tuple[list[int], Framing]:
+    """The ids a cache that extends `base` holds for `text` (joined to the base's document by SEPARATOR), and
+    the framing its questions follow. The base's pending text is tokenized again here, after its anchor (whose
+    ids the base holds: checked and dropped), so base ids + these ids tokenize the joined document as the
+    whole prompt would."""
+    if base.kind == "plain":
+        middle, tail = f"{SEPARATOR}Question: ", "\nAnswer:"
+    else:
+        _head, middle, tail = _pieces(tokenizer, base)
+    before = base.anchor + base.pending + SEPARATOR + text.strip()
+    held = list(base_ids[len(base_ids) - base.anchor_tokens:]) if base.anchor_tokens else []
+    return _split(tokenizer, Framing(base.kind, base.system), before, middle, tail, False, held)
+
+
+def _split(tokenizer: Any, plain: Framing, before: str, middle: str, tail: str, special: bool,
+           held: list[int] | None = None) -> tuple[list[int], Framing]:
+    """split_document's search for the cut, over the text `before` the question; `held`: ids already cached
+    that `before` starts with (an extension's anchor), checked and left out of the ids returned."""
+    held = held or []
     enc = tokenizer(before, add_special_tokens=special, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    plain = Framing(framing.kind, framing.system)
-    wholes = [list(tokenizer(before + middle + q + tail, add_special_tokens=special)["input_ids"]) for q in _PROBES]
+    every = list(enc["input_ids"])
+    if every[: len(held)] != held:
+        raise ModelError("the new text changes how the end of the cache it extends is tokenized; "
+                         "prefill the whole text as one document instead")
+    ids, h = every[len(held):], len(held)
+    wholes = [list(tokenizer(before + middle + q + tail, add_special_tokens=special)["input_ids"])[h:] for q in _PROBES]
     if all(whole == ids + question_ids(tokenizer, plain, q) for whole, q in zip(wholes, _PROBES)):
         return ids, plain
     starts = _token_starts(enc, len(before))
@@ -124,10 +149,10 @@ def split_document(tokenizer: Any, framing: Framing, document: str) -> tuple[lis
             if not pending and not anchor:
                 continue
             keep = len(ids) - pending
-            a, p = starts[keep - anchor], starts[keep] if pending else len(before)
+            a, p = starts[h + keep - anchor], starts[h + keep] if pending else len(before)
             if not a <= p <= len(before):
                 continue
-            cut = Framing(framing.kind, framing.system, anchor=before[a:p], anchor_tokens=anchor, pending=before[p:])
+            cut = Framing(plain.kind, plain.system, anchor=before[a:p], anchor_tokens=anchor, pending=before[p:])
             cached = ids[:keep]
             try:
                 if all(whole == cached + question_ids(tokenizer, cut, q, cached) for whole, q in zip(wholes, _PROBES)):

@@ -43,7 +43,7 @@ def _loaded_libgomps() -> list[str]:
 def _runtime() -> list:
     """omp_pause_resource_all of each libgomp already loaded (never loads one); empty if none.
 
-    Only libgomp: its pause gives back the calling thread's pool alone, which is what was measured and
+    Only libgomp: its pause gives back the calling thread's pool alone, which is what tests/bench/bench_handoff.py measures, and
     is safe while other threads compute. LLVM's libomp and Intel's pause the whole runtime."""
     global _pauses
     with _lock:
