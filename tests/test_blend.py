@@ -293,3 +293,15 @@ def test_served_blend_prints_what_the_in_process_one_prints(cli_caches, monkeypa
         assert json_lines(again.stdout)[0]["answer_token_ids"] == x["answer_token_ids"]
     finally:
         s.close()
+
+
+def test_a_chain_link_blends_as_its_whole_prompt(tiny_lm, llama_caches, tmp_path):
+    text = sample_text()
+    link = prefill(tiny_lm, decode(text[7000:7600].encode(), "more.txt"), tmp_path / "more.kv", after=llama_caches[1]).path
+    assert read_manifest(link).base is not None  # a link: its own tokens stored, its base's restored with it
+    session = kvcli.Session(tiny_lm, [llama_caches[0], link], blend=1.0)
+    head = fr.head_ids(tiny_lm.tokenizer, session.framing)
+    whole = read_manifest(link).token_ids  # the chain's ids: its base's and its own
+    assert session.token_ids[-(len(whole) - len(head)):] == whole[len(head):]
+    a = session.ask(QUESTIONS[0], OPTS)
+    assert a.answer_token_ids == reference_answer(tiny_lm.model, a.prompt_token_ids, MAX_NEW)
