@@ -305,3 +305,24 @@ def test_a_chain_link_blends_as_its_whole_prompt(tiny_lm, llama_caches, tmp_path
     assert session.token_ids[-(len(whole) - len(head)):] == whole[len(head):]
     a = session.ask(QUESTIONS[0], OPTS)
     assert a.answer_token_ids == reference_answer(tiny_lm.model, a.prompt_token_ids, MAX_NEW)
+
+
+def test_a_server_that_does_not_echo_the_blend_is_not_used(monkeypatch):
+    from kvcli.cli import served
+    from kvcli.cli.output import Output
+    from kvcli.errors import ServerError
+    from kvcli.serve import client
+
+    closed = []
+
+    class Older:  # a server from before blending: it accepts the ask without the echo (it would answer each cache alone)
+        accepted = {"event": "accepted", "op": "ask"}
+
+        def close(self) -> None:
+            closed.append(True)
+
+    monkeypatch.setattr(client, "open_request", lambda *_a, **_k: Older())
+    assert served.run(Output(quiet=True), None, "ask", {"blend": 0.15}, []) is None  # this process blends instead
+    with pytest.raises(ServerError, match="cannot blend"):
+        served.run(Output(quiet=True), True, "ask", {"blend": 0.15}, [])
+    assert closed == [True, True]
