@@ -137,6 +137,8 @@ def compose(lm: Any, opened: list[Any], recompute: float = DEFAULT_RECOMPUTE, *,
     against it by tests/bench/bench_blend.py --rule last)."""
     import torch
 
+    from ..prefilling import DEFAULT_CHUNK
+    from ..scheduling.scheduler import engine_for
     from .restore import ROOM_TOKENS, load_cache, load_states
 
     recompute = check_fraction(recompute)
@@ -175,10 +177,6 @@ def compose(lm: Any, opened: list[Any], recompute: float = DEFAULT_RECOMPUTE, *,
     extra = ROOM_TOKENS if room is None else room
     cache = load_cache(opened[0], device=lm.device, dtype=lm.dtype, room=len(ids) - len(first.token_ids) + extra)
     recomputed = moved = 0
-
-    from ..prefilling import DEFAULT_CHUNK
-    from ..scheduling.scheduler import engine_for
-
     engine = engine_for(lm)
 
     def forward(run: list[int]) -> None:
