@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..documents import Document
 from ..errors import CacheError, CacheExistsError, KvcliError, UsageError
-from ..format import manifest as mf, store, writing
+from ..format import chain, manifest as mf, store, writing
 from .prompt import framing as fr
 from . import prefilling as pf
 from .model.models import LoadedModel
@@ -192,7 +192,7 @@ def up_to_date(m: mf.Manifest, lm: LoadedModel, document: Document, framing: dic
     which `framing` (the record of the framing asked for, before any cut) never holds. A cache that extends another
     is up to date only if it extends `after` (its cache at `where`; the chain itself was checked as it opened)."""
     if (m.base is None) != (after is None) or (after is not None and (where is None or not _same_path(
-            store.base_path(where, m.base["path"]), Path(after)))):
+            chain.base_path(where, m.base["path"]), Path(after)))):
         return False
     return m.document.get("sha256") == document.sha256 and pf.same_setup(m, lm, framing, kv_bits)
 

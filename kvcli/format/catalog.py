@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import store
+from . import chain, store
 from ..errors import CacheError
 from .manifest import Manifest
 
@@ -45,7 +45,7 @@ def _base(path: Path, m: Manifest) -> dict[str, Any] | None:
     if m.base is None:
         return None
     try:
-        where = str(store.base_path(Path(path), m.base["path"]))
+        where = str(chain.base_path(Path(path), m.base["path"]))
     except CacheError:  # a link to an object-store URL
         where = m.base["path"]
     return {**m.base, "path": where}

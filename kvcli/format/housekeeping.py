@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import manifest as mf, store
+from . import chain, manifest as mf, store
 from ..errors import CacheError, KvcliError, UsageError
 from .store import TMP_MARK
 from .writing import hidden_sibling, is_leftover, remove_if_stale
@@ -108,7 +108,7 @@ def check_removable(paths: list[Path], *, force: bool = False) -> None:
 
 def _needed(path: Path, older_than_s: float, depth: int = 0) -> bool:
     """Whether a cache beside `path` that prune keeps (younger, or itself needed) extends it."""
-    return depth < mf.MAX_CHAIN and any(age_of(p) < older_than_s or _needed(p, older_than_s, depth + 1)
+    return depth < chain.MAX_CHAIN and any(age_of(p) < older_than_s or _needed(p, older_than_s, depth + 1)
                                         for p in extended_by(path))
 
 
@@ -121,7 +121,7 @@ def extended_by(path: Path) -> list[Path]:
             continue
         try:
             m = store.read_manifest(entry, chain=False)
-            if m.base is not None and os.path.realpath(store.base_path(entry, m.base["path"])) == target:
+            if m.base is not None and os.path.realpath(chain.base_path(entry, m.base["path"])) == target:
                 found.append(entry)
         except CacheError:
             continue

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import CacheVersionError, UsageError
-from . import payload
+from . import chain, payload
 from .dtypes import ITEM_SIZES
 from .fields import MAX_DIM, bad, get_field, int_field, numel, shape_field, str_field
 
@@ -46,8 +46,6 @@ MAX_HEAD_DIM = 8192
 MAX_TOKENS = 1 << 24
 _TOP_KEYS = {"format", "format_version", "manifest_sha256", "kvcli_version", "transformers_version", "created",
              "model", "framing", "document", "token_ids", "compression", "layers", "provenance", "base"}
-BASE_KEYS = ("manifest_sha256", "path", "num_tokens")  # the cache this one extends (format 3): its digest, where it lies
-MAX_CHAIN = 64  # links a chain may have: bounds a hostile loop of bases
 # What computed the keys/values (optional: caches written before 0.1 provenance lack it). Other kernels
 # give logits that differ in the last bits, which can flip a greedy token where the top two nearly tie.
 PROVENANCE_KEYS = ("torch_version", "device_type", "attn_implementation")
@@ -104,7 +102,7 @@ class Manifest:
     compression: dict[str, Any]  # codec, level, transform
     layers: list[LayerEntry] = field(default_factory=list)
     provenance: dict[str, str] | None = None  # torch_version, device_type, attn_implementation
-    base: dict[str, Any] | None = None  # the cache this one extends: manifest_sha256, path, num_tokens (BASE_KEYS)
+    base: dict[str, Any] | None = None  # the cache this one extends: manifest_sha256, path, num_tokens (chain.py)
 
     @property
     def num_tokens(self) -> int:
@@ -262,7 +260,7 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
     layers_raw = get_field(body, "layers", list, where)
     if len(layers_raw) != model["num_layers"]:
         raise bad(where, f"{len(layers_raw)} layers listed, model has {model['num_layers']}")
-    base = _base(body, len(token_ids), version, where)
+    base = chain.check_base(body, len(token_ids), version == FORMAT_VERSION, where)
     layers = [_layer(entry, i, len(token_ids), base["num_tokens"] if base else 0, model, where, quant, SHARD_HASHES[version])
               for i, entry in enumerate(layers_raw)]
     provenance = _provenance(body, where)
@@ -280,23 +278,6 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
         provenance=provenance,
         base=base,
     )
-
-
-def _base(body: dict, num_tokens: int, version: int, where: str) -> dict[str, Any] | None:
-    """The optional link to the cache this one extends: its manifest digest, its path (relative to this cache's
-    folder, or absolute) and the tokens it holds, fewer than this cache's."""
-    base = get_field(body, "base", dict, where, optional=True)
-    if base is None:
-        return None
-    if version != FORMAT_VERSION:
-        raise bad(where, f"format version {version} has no 'base' field")
-    if set(base) != set(BASE_KEYS):
-        raise bad(where, f"manifest field 'base' must hold exactly {list(BASE_KEYS)}")
-    str_field(base, "base.manifest_sha256", where, pattern=_SHA256)
-    if not str_field(base, "base.path", where):
-        raise bad(where, "manifest field 'base.path' is empty")
-    int_field(base, "base.num_tokens", where, 1, num_tokens - 1)
-    return dict(base)
 
 
 def _framing_cut(framing: dict, num_tokens: int, where: str) -> None:
@@ -379,8 +360,7 @@ def _layer(entry: Any, i: int, num_tokens: int, base_tokens: int, model: dict, w
     cached = int_field(entry, "cached_length", w, 0, 1 << 31)
     expect_cached = num_tokens - base_tokens if kind == "full" else min(num_tokens, window - 1)  # a link: its own tokens
     if seq_length != num_tokens or cached != expect_cached:
-        raise bad(w, f"lengths {cached}/{seq_length} do not fit {num_tokens} cached tokens"
-                     + (f" ({base_tokens} of them in its base)" if base_tokens else ""))
+        raise bad(w, f"lengths {cached}/{seq_length} do not fit {num_tokens} cached tokens" + (f" ({base_tokens} in its base)" * bool(base_tokens)))
     name = get_field(entry, "file", str, w)
     if not _SHARD_NAME.fullmatch(name) or name != shard_name(i):  # never a path: no '/', no '..', one name per layer
         raise bad(w, f"shard name {name!r} is not the plain file name {shard_name(i)!r}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import manifest as mf, payload
+from .chain import MAX_CHAIN, base_path, base_problem
 from ..errors import CacheCorruptError, CacheError, CacheMismatchError, CacheMissingError
 
 TMP_MARK = ".kvtmp-"
@@ -209,7 +210,7 @@ def open_cache(path: str | os.PathLike, *, shards: bool = True, chain: bool = Tr
     top = _open_link(Path(path), shards)
     link = top
     try:
-        for _depth in range(mf.MAX_CHAIN):
+        for _depth in range(MAX_CHAIN):
             if link.manifest.base is None or not chain:
                 return top
             where = base_path(link.path, link.manifest.base["path"])
@@ -223,32 +224,10 @@ def open_cache(path: str | os.PathLike, *, shards: bool = True, chain: bool = Tr
             if problem:
                 raise CacheMismatchError(f"{link.path}: its base {where} {problem}; prefill it again with --after")
             link = link.base
-        raise CacheCorruptError(f"{path}: a chain of more than {mf.MAX_CHAIN} caches (a loop of bases?)")
+        raise CacheCorruptError(f"{path}: a chain of more than {MAX_CHAIN} caches (a loop of bases?)")
     except BaseException:
         top.close()
         raise
-
-
-def base_path(link: Path, recorded: str) -> Path:
-    """Where a link's base lies: its recorded path, taken relative to the link's own folder unless absolute."""
-    if "://" in recorded:
-        raise CacheMissingError(f"{link}: extends {recorded}, an object-store URL; fetch the chain into one local "
-                                "folder and prefill it with --after there")
-    return Path(os.path.normpath(link / recorded))
-
-
-def base_problem(link: mf.Manifest, base: mf.Manifest) -> str | None:
-    """What makes `base` not the cache `link` was computed on (None if it is): the same manifest (its digest),
-    model, framing and token ids."""
-    if base.digest != link.base["manifest_sha256"]:
-        return "has changed since this cache was made (its manifest digest differs)"
-    if base.num_tokens != link.base["num_tokens"] or base.token_ids != link.token_ids[: base.num_tokens]:
-        return "holds other token ids than the start of this cache"
-    if {k: v for k, v in base.model.items() if k != "source"} != {k: v for k, v in link.model.items() if k != "source"}:
-        return "was made with another model or dtype"
-    if any(base.framing.get(k) != link.framing.get(k) for k in ("kind", "system", "template_sha256")):
-        return "was made with another prompt framing"
-    return None
 
 
 def _open_link(path: Path, shards: bool) -> OpenedCache:
