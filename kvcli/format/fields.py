@@ -3,6 +3,7 @@ naming the cache and the field. manifest.py validates whole manifests with them.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -65,7 +66,4 @@ def shape_field(obj: dict, key: str, where: str) -> tuple[int, ...]:
 
 
 def numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)

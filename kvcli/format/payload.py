@@ -9,6 +9,7 @@ payload under them: restore decompresses the tensors' bytes into their destinati
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 
@@ -58,13 +59,6 @@ class Entry:
     nbytes: int
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def code_bytes(numel: int, bits: int) -> int:
     """Bytes holding `numel` codes of `bits` bits (4-bit codes two per byte)."""
     return numel if bits == 8 else (numel + 1) // 2
@@ -78,7 +72,7 @@ def layout(dtype: str, key_shape, value_shape, *, transform: str = "none", quant
     item = ITEM_SIZES[dtype]
     out = []
     for name, shape in (("keys", tuple(key_shape)), ("values", tuple(value_shape))):
-        numel = _numel(shape)
+        numel = math.prod(shape)
         if transform == "byteplane":
             out.append(Entry(name, "U8", (item, numel), item * numel))
         else:
@@ -95,6 +89,11 @@ def quant_split(n: int, quant: dict) -> tuple[int, int, int]:
     return first, n - first - last, last
 
 
+def stats_shape(shape, axis: int, group: int) -> tuple[int, ...]:
+    """The shape of a quantized tensor's scales and minimums: one per group of `group` along `axis`."""
+    return tuple(-(-n // group) if i == axis else n for i, n in enumerate(shape))
+
+
 def quant_layout(dtype: str, key_shape, value_shape, quant: dict) -> list[Entry]:
     """Quantized payload: per tensor (keys, then values) NAME.exact (the first exact tokens in the compute
     dtype), NAME.recent (the last recent tokens in the compute dtype; only when the scheme keeps any),
@@ -107,16 +106,14 @@ def quant_layout(dtype: str, key_shape, value_shape, quant: dict) -> list[Entry]
         b, h, n, d = shape
         first, mid, last = quant_split(n, quant)
         rest = (b, h, mid, d)
-        stats = list(rest)
-        stats[axis] = -(-stats[axis] // group)
-        stats = tuple(stats)
+        stats = stats_shape(rest, axis, group)
         out.append(Entry(f"{name}.exact", ST_DTYPES[dtype], (b, h, first, d), item * b * h * first * d))
         if quant.get("recent_tokens", 0) > 0:
             out.append(Entry(f"{name}.recent", ST_DTYPES[dtype], (b, h, last, d), item * b * h * last * d))
         out += [
-            Entry(f"{name}.codes", "U8", (code_bytes(_numel(rest), bits),), code_bytes(_numel(rest), bits)),
-            Entry(f"{name}.scale", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * _numel(stats)),
-            Entry(f"{name}.min", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * _numel(stats)),
+            Entry(f"{name}.codes", "U8", (code_bytes(math.prod(rest), bits),), code_bytes(math.prod(rest), bits)),
+            Entry(f"{name}.scale", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * math.prod(stats)),
+            Entry(f"{name}.min", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * math.prod(stats)),
         ]
     return out
 
