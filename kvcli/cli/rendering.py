@@ -94,7 +94,7 @@ class AskRenderer:
                 out.write("\0" if self.null else "\n")
             if a.get("finish_reason") == "length" and not self.json_out:  # one line: the cut, and the timing on a terminal
                 note = cut_note(a, self._label(ev["index"], a.get("question", "")) if self.multiple else None, self.max_new_tokens)
-                out.raw_note(note + (f" ({timing(a).removesuffix(' (cut short)')})" if out.interactive else ""))
+                out.note(note + (f" ({timing(a).removesuffix(' (cut short)')})" if out.interactive else ""))
             else:
                 out.summary(timing(a))
         elif kind == "check":
