@@ -20,7 +20,7 @@ from typing import Any
 
 from ...errors import ModelError
 from ...format.writing import hidden_sibling
-from ...home import kvcli_home, remember  # noqa: F401  (models.kvcli_home: where converted models live)
+from ...home import kvcli_home, remembered_digest  # noqa: F401  (models.kvcli_home: where converted models live)
 from . import hub
 from .fingerprint import fingerprint, sha256_json  # noqa: F401  (fingerprint: models.fingerprint stays the API)
 from .quiet import quiet_transformers as _quiet_transformers
@@ -153,16 +153,7 @@ def _cached_sha(path: Path) -> str:
     """sha256 of a (large) file, remembered by size and mtime under KVCLI_HOME to spare re-hashing."""
     st = path.stat()
     key = sha256_json([str(path.resolve()), st.st_size, st.st_mtime_ns])[:32]
-    memo = kvcli_home() / "hashes" / key
-    try:
-        value = memo.read_text().strip()
-        if len(value) == 64:
-            return value
-    except OSError:
-        pass
-    value = sha256_file(path)
-    remember(memo, value)
-    return value
+    return remembered_digest(kvcli_home() / "hashes" / key, lambda: sha256_file(path))
 
 
 def pick_device(device: str) -> str:
@@ -250,10 +241,14 @@ def load_config(source: dict[str, Any], *, trust_remote_code: bool = False, prog
     args = hub.load_args(source)  # a hub id that cannot load is refused before transformers is imported
     from transformers import AutoConfig
 
-    where = _load_path(source, progress)
+    return _from_pretrained(source, AutoConfig, _load_path(source, progress), trust_remote_code=trust_remote_code, **args)
+
+
+def _from_pretrained(source: dict[str, Any], auto: Any, where: str, **kwargs: Any) -> Any:
+    """auto.from_pretrained(where, **kwargs) with transformers quiet; a failure as the ModelError naming the model."""
     try:
         with _quiet_transformers():
-            return AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **args)
+            return auto.from_pretrained(where, **kwargs)
     except Exception as exc:
         raise _load_error(source, exc) from exc
 
@@ -274,18 +269,10 @@ def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = Fa
             where, light = str(light), None
         else:
             where, extra = str(Path(source["path"]).parent), {**extra, "gguf_file": Path(source["path"]).name}
-    try:
-        with _quiet_transformers():
-            config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **extra)
-    except Exception as exc:
-        raise _load_error(source, exc) from exc
+    config = _from_pretrained(source, AutoConfig, where, trust_remote_code=trust_remote_code, **extra)
     if check is not None:
         check(config)
-    try:
-        with _quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **extra)
-    except Exception as exc:
-        raise _load_error(source, exc) from exc
+    tok = _from_pretrained(source, AutoTokenizer, where, trust_remote_code=trust_remote_code, **extra)
     if light is not None:
         _save_light(light, config, tok)
     return config, tok
@@ -350,12 +337,8 @@ def load(
     torch_dtype = pick_dtype(dtype, dev, config)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        with _quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **args)
-            lm = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, trust_remote_code=trust_remote_code, **args)
-    except Exception as exc:
-        raise _load_error(source, exc) from exc
+    tok = _from_pretrained(source, AutoTokenizer, where, trust_remote_code=trust_remote_code, **args)
+    lm = _from_pretrained(source, AutoModelForCausalLM, where, dtype=torch_dtype, trust_remote_code=trust_remote_code, **args)
     lm.to(dev).eval()
     attention.select(lm)
     if source["kind"] == "hub":
