@@ -181,15 +181,7 @@ def discover(root: str) -> Iterator[tuple[str, mf.Manifest | None, str | None]]:
     if remote.is_url(root):
         from ..remote import objects
 
-        fs, path = objects.filesystem(root)
-        with objects.failures(root, KvcliError, "no such folder"):
-            listing = fs.ls(path, detail=True)
-        names = {e["name"].rstrip("/").rpartition("/")[2]: e for e in listing}
-        if mf.MANIFEST_NAME in names:
-            candidates = [root]
-        else:
-            candidates = sorted(objects.join(root, n) for n, e in names.items() if e.get("type") == "directory")
-        for url in candidates:  # the URL as given (credentials included) to read it; print it with objects.redact
+        for url in objects.cache_urls(root):  # the URL as given (credentials included) to read it; print it with objects.redact
             try:
                 yield url, objects.read_manifest(url), None
             except KvcliError as exc:
@@ -237,11 +229,3 @@ def stats_writer(path: str | None):
 
     return write
 
-
-def printable(location: str) -> str:
-    """A cache location as logs print it: a URL without its credentials."""
-    if remote.is_url(location):
-        from ..remote import objects
-
-        return objects.redact(location)
-    return location
