@@ -56,16 +56,18 @@ def curve(n: int) -> float:
     return n * (A + B * n)
 
 
+def _cpuinfo(key: str) -> str:
+    """The first value of `key` in /proc/cpuinfo (Linux), or ""."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")
+
+
 def machine() -> dict[str, Any]:
     """What makes prefill speed differ between machines, as far as it is known without torch."""
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = _cpuinfo("model name")
     if not cpu:
         import platform
 
@@ -78,14 +80,8 @@ NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # x86 CPU flags of native bfloa
 
 def native_bfloat16() -> str | None:
     """The CPU flag that says this machine computes bfloat16 natively (x86 Linux), or None."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
-    except OSError:
-        pass
-    return None
+    flags = set(_cpuinfo("flags").split())
+    return next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
 
 
 def dtype_advice(source: dict[str, Any], dtype: str, device: str = "cpu") -> str | None:
