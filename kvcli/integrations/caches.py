@@ -22,20 +22,8 @@ from typing import Any, Iterator
 
 from ..errors import KvcliError
 from ..format import manifest as mf, store
+from ..format.identity import HASHES, STRUCTURE
 from .. import remote
-
-_STRUCTURE = (
-    ("model_type", "model type"),
-    ("num_layers", "layer count"),
-    ("num_kv_heads", "key/value heads"),
-    ("head_dim", "head dim"),
-)
-_HASHES = (
-    ("config_sha256", "model config"),
-    ("weights_sha256", "weights"),
-    ("tokenizer_sha256", "tokenizer"),
-)
-
 
 @dataclass(frozen=True)
 class EngineModel:
@@ -63,8 +51,8 @@ class EngineModel:
 def refusal(m: mf.Manifest, engine: EngineModel) -> str | None:
     """Why the cache with manifest `m` must not be loaded into `engine`, or None if it fits."""
     want = m.model
-    diffs = [label for key, label in _STRUCTURE if want.get(key) != getattr(engine, key)]
-    for key, label in _HASHES:
+    diffs = [label for key, label in STRUCTURE if want.get(key) != getattr(engine, key)]
+    for key, label in HASHES:
         if key in engine.unchecked:
             continue
         have = engine.hashes.get(key)
