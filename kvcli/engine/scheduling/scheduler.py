@@ -175,10 +175,6 @@ class Engine:
                     self._batched = found.ok
         return self._batched
 
-    @batched.setter
-    def batched(self, value: bool) -> None:
-        self._batched = value
-
     @property
     def mode(self) -> str:
         """"batched" (rows of one document share each forward pass), "one at a time", or "undecided" (no row yet)."""
@@ -190,7 +186,7 @@ class Engine:
     def busy(self) -> bool:
         """Whether any row is waiting or decoding, or any turn is wanted."""
         with self._cv:
-            return bool(self._incoming or self._turns or any(d.busy for _s, d in self._decoders.values()))
+            return self.decoding or bool(self._turns)
 
     @property
     def decoding(self) -> bool:
@@ -341,8 +337,7 @@ class Engine:
 
     def _has_work(self) -> bool:
         """Under _cv: anything for the engine thread to do (rows in or out, a turn, rows to step, closing)."""
-        return bool(self._incoming or self._cancels or self._turns or self._closed
-                    or any(d.busy for _s, d in self._decoders.values()))
+        return self.busy or bool(self._cancels or self._closed)
 
     def _step(self, session: Any, decoder: Decoder) -> None:
         try:
