@@ -120,8 +120,6 @@ def run(
     if answer_tokens < 1 or agreement_tokens < 1 or decode_tokens < 2:
         raise UsageError("--answer-tokens and --agreement-tokens must be at least 1, --decode-tokens at least 2")
     pool = list(question_list or QUESTIONS)
-    if not pool:
-        raise UsageError("no questions to measure with")
     qs = [pool[i % len(pool)] for i in range(questions)]
     batch = [pool[i % len(pool)] for i in range(BATCH_QUESTIONS)]
     frame = fr.choose(lm.tokenizer, "auto", None)

@@ -175,6 +175,10 @@ class Engine:
                     self._batched = found.ok
         return self._batched
 
+    @batched.setter
+    def batched(self, value: bool) -> None:  # tests pin the path
+        self._batched = value
+
     @property
     def mode(self) -> str:
         """"batched" (rows of one document share each forward pass), "one at a time", or "undecided" (no row yet)."""
