@@ -22,31 +22,16 @@ MAX_HEADER = 64 * 1024  # a shard's safetensors header is a few hundred bytes; a
 SOURCE_READ = 1 << 20  # bytes zstd asks of a streamed source (store.ShardStream) at a time
 
 
-def _head(data) -> bytes | memoryview:
-    """The first bytes of a shard given as bytes, or as a stream with peek() (store.ShardStream)."""
-    return data.peek() if hasattr(data, "peek") else data
-
-
 def check_declared_size(data, size: int, where: str) -> None:
     """A zstd frame that declares a content size other than the manifest's is refused unread (bomb guard).
 
     `data`: the stored bytes, or a stream with peek() and read() (store.ShardStream)."""
     try:
-        declared = zstandard.frame_content_size(_head(data))
+        declared = zstandard.frame_content_size(data.peek() if hasattr(data, "peek") else data)  # the frame's first bytes
     except zstandard.ZstdError:
         raise CacheCorruptError(f"{where}: not a zstandard frame") from None
     if declared >= 0 and declared != size:
         raise CacheCorruptError(f"{where}: declares {declared} decompressed bytes, manifest says {size}")
-
-
-def header_length(first8: bytes, decoded_bytes: int, where: str) -> int:
-    """The safetensors header length from the payload's first 8 bytes, refused if it cannot fit."""
-    if len(first8) < 8:
-        raise CacheCorruptError(f"{where}: decompresses to {len(first8)} bytes, manifest says {decoded_bytes}")
-    (n,) = struct.unpack("<Q", first8)
-    if n > MAX_HEADER or 8 + n > decoded_bytes:
-        raise CacheCorruptError(f"{where}: safetensors header of {n} bytes does not fit")
-    return n
 
 
 @dataclass(frozen=True)
@@ -209,8 +194,11 @@ class PayloadReader:
             if self.size < 8:
                 raise CacheCorruptError(f"{self.where}: payload too short for a safetensors header")
             first = bytearray(8)
-            self.readinto(first)
-            raw = bytearray(header_length(bytes(first), self.size, self.where))
+            self.readinto(first)  # the safetensors header's length
+            (n,) = struct.unpack("<Q", first)
+            if n > MAX_HEADER or 8 + n > self.size:
+                raise CacheCorruptError(f"{self.where}: safetensors header of {n} bytes does not fit")
+            raw = bytearray(n)
             self.readinto(raw)
             check_header(bytes(raw), where=self.where, decoded_bytes=self.size, **self.rules)
         except BaseException as exc:
