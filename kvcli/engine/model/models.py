@@ -156,25 +156,19 @@ def _cached_sha(path: Path) -> str:
 def pick_device(device: str) -> str:
     import torch
 
-    if device != "auto":
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ModelError("--device cuda: no CUDA device is available")
-        if device == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-            raise ModelError("--device mps: MPS is not available")
-        return device
-    if torch.cuda.is_available():
-        return "cuda"
-    if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
+    available = {"cuda": torch.cuda.is_available(), "mps": hasattr(torch.backends, "mps") and torch.backends.mps.is_available()}
+    if device == "auto":
+        return next((d for d, ok in available.items() if ok), "cpu")
+    if not available.get(device, True):
+        raise ModelError(f"--device {device}: " + ("no CUDA device is available" if device == "cuda" else "MPS is not available"))
+    return device
 
 
 def pick_dtype(dtype: str, device: str, config: Any):
     import torch
 
-    from ...format.dtypes import DTYPES
+    from ...format.codec import DTYPES as names  # name -> torch dtype
 
-    names = {name: getattr(torch, name) for name in DTYPES}
     if dtype != "auto":
         if dtype not in names:
             raise ModelError(f"--dtype {dtype}: choose auto, float32, bfloat16 or float16")
@@ -182,8 +176,7 @@ def pick_dtype(dtype: str, device: str, config: Any):
     if device == "cpu":
         return torch.float32
     own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    own = names.get(str(own).removeprefix("torch."), None) if own is not None else None
-    return own or torch.float32
+    return names.get(str(own).removeprefix("torch."), torch.float32)  # none given, or not a dtype kvcli stores: float32
 
 
 def gguf_folders(sha: str) -> tuple[Path, Path]:
