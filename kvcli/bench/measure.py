@@ -208,7 +208,8 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
     del cache
     t0 = time.perf_counter()
     torch.save(tensors, naive)
-    _fsync(naive)
+    with open(naive, "rb") as f:
+        os.fsync(f.fileno())
     row["naive_save_s"] = time.perf_counter() - t0
     row["naive_bytes"] = naive.stat().st_size
     del tensors
@@ -313,11 +314,6 @@ def _loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def reset_peak_rss() -> bool:

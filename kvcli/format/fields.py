@@ -30,9 +30,8 @@ def get_field(obj: dict, key: str, types: type | tuple, where: str, *, optional:
     value = obj[name]
     if optional and value is None:
         return None
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise bad(where, f"manifest field '{key}' has the wrong type")
-    if not isinstance(value, types):
+    bool_ok = bool in (types if isinstance(types, tuple) else (types,))  # True is no int in a manifest
+    if not isinstance(value, types) or (isinstance(value, bool) and not bool_ok):
         raise bad(where, f"manifest field '{key}' has the wrong type")
     return value
 
