@@ -109,10 +109,6 @@ class Entry:
     manifest: mf.Manifest
     manifest_sha256: str
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.manifest.token_ids
-
 
 def common_prefix(a: list[int], b: list[int], step: int = 256) -> int:
     """Length of the common prefix of two id lists (slices compared a step at a time, then one by one)."""
@@ -136,7 +132,7 @@ class CacheIndex:
         self.entries: list[Entry] = []
 
     def add(self, entry: Entry) -> None:
-        ids = entry.token_ids
+        ids = entry.manifest.token_ids
         if len(ids) < self.block_size:
             raise ValueError(f"{entry.location}: shorter than one block")
         self._by_head.setdefault(tuple(ids[: self.block_size]), []).append(entry)
@@ -153,7 +149,7 @@ class CacheIndex:
             return None
         best: tuple[Entry, int] | None = None
         for entry in self._by_head.get(tuple(prompt[:b]), ()):
-            n = min(common_prefix(entry.token_ids, prompt), len(prompt) - 1) // b * b
+            n = min(common_prefix(entry.manifest.token_ids, prompt), len(prompt) - 1) // b * b
             if n and (best is None or n > best[1]):
                 best = (entry, n)
         return best
