@@ -107,11 +107,8 @@ def model_key(source: dict[str, Any]) -> str | None:
     """The model, as both prefill (after loading) and count (before) name it; None for an in-memory model."""
     if source.get("sha256"):  # a GGUF model; its q4 weights prefill at another speed (engine/model/stored.py)
         return f"sha256:{source['sha256']}" + (f"+{source['weights']}" if source.get("weights", "float") != "float" else "")
-    if source.get("kind") == "folder":
-        return f"folder:{source.get('path')}"
-    if source.get("kind") == "hub":
-        return f"hub:{source.get('id')}"
-    return None
+    field = {"folder": "path", "hub": "id"}.get(source.get("kind"))  # what names a folder or a hub model
+    return f"{source['kind']}:{source.get(field)}" if field else None
 
 
 def _path(key: str, dtype: str, device: str) -> Path:
