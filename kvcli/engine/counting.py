@@ -113,9 +113,7 @@ def _light_folder(source: dict) -> Path | None:
     if source["kind"] == "folder":
         return Path(source["path"])
     if source["kind"] in ("default", "gguf"):
-        for f in models.gguf_folders(source["sha256"]):
-            if (f / "config.json").is_file():
-                return f
+        return next((f for f in models.gguf_folders(source["sha256"]) if (f / "config.json").is_file()), None)
     return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import glob
 import os
 import shutil
 import threading
@@ -68,15 +69,8 @@ def hidden_sibling(path: Path, tag: str = "") -> Path:
 
 def clean_stale(target: Path) -> None:
     """Remove temporary siblings of `target` left by killed runs (their process is gone, their lock free)."""
-    parent = target.parent
-    prefix = f".{target.name}{TMP_MARK}"
-    try:
-        entries = list(parent.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        if entry.name.startswith(prefix):
-            remove_if_stale(entry)
+    for entry in list(target.parent.glob(f".{glob.escape(target.name)}{TMP_MARK}*")):  # an unreadable folder: none
+        remove_if_stale(entry)
 
 
 def is_leftover(entry: Path) -> bool:
