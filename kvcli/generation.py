@@ -18,8 +18,6 @@ from .errors import UsageError
 DEFAULT_MAX_NEW_TOKENS = 256  # answer tokens when no --max-new-tokens is given
 DEFAULT_BATCH = 8  # rows one document decodes together (docs/serving.md, "Many questions at once")
 DEFAULT_HTTP_MAX_TOKENS = 4096  # most answer tokens one HTTP request may ask for (serve --max-tokens)
-FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "stop", "repetition_penalty", "no_repeat_ngram_size")
-CLI_NAMES = {f: "--" + f.replace("_", "-") for f in FIELDS}
 
 
 class OptionError(UsageError):
@@ -38,6 +36,21 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
 
 
+# field -> (whether a value is acceptable, what it must be otherwise, the value as GenerationOptions takes it)
+RULES: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
+    "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "a whole number of at least 1", int),
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a number of at least 0 (0: greedy)", float),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "above 0 and at most 1", float),
+    "seed": (_is_int, "a whole number", int),
+    "stop": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v),
+             "a list of non-empty strings", tuple),
+    "repetition_penalty": (lambda v: _is_number(v) and v > 0, "above 0 (1 is off)", float),
+    "no_repeat_ngram_size": (lambda v: _is_int(v) and v >= 0, "a whole number of at least 0 (0: off)", int),
+}
+FIELDS = tuple(RULES)
+CLI_NAMES = {f: "--" + f.replace("_", "-") for f in FIELDS}
+
+
 def check_options(values: Mapping[str, Any], names: Mapping[str, str] | Callable[[str], str] = CLI_NAMES, *,
                   max_new_tokens_cap: int | None = None) -> dict[str, Any]:
     """The checked keyword arguments of GenerationOptions from `values` (omitted or None: the default).
@@ -53,45 +66,17 @@ def check_options(values: Mapping[str, Any], names: Mapping[str, str] | Callable
         return OptionError(f"{name(f)} must be {what}", field=f)
 
     out: dict[str, Any] = {}
-    v = values.get("max_new_tokens")
-    if v is not None:
-        if not _is_int(v) or v < 1:
-            raise bad("max_new_tokens", "a whole number of at least 1")
-        if max_new_tokens_cap is not None and v > max_new_tokens_cap:
-            raise bad("max_new_tokens", f"at most {max_new_tokens_cap} (this server's --max-tokens)")
-        out["max_new_tokens"] = v
-    v = values.get("temperature")
-    if v is not None:
-        if not _is_number(v) or v < 0:
-            raise bad("temperature", "a number of at least 0 (0: greedy)")
-        out["temperature"] = float(v)
-    v = values.get("top_p")
-    if v is not None:
-        if not _is_number(v) or not 0 < v <= 1:
-            raise bad("top_p", "above 0 and at most 1")
-        out["top_p"] = float(v)
-    v = values.get("seed")
-    if v is not None:
-        if not _is_int(v):
-            raise bad("seed", "a whole number")
-        out["seed"] = v
-    v = values.get("stop")
-    if v is not None:
-        if isinstance(v, str):
-            raise bad("stop", "a list of strings, not one string (each item is one stop string)")
-        if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) and s for s in v):
-            raise bad("stop", "a list of non-empty strings")
-        out["stop"] = tuple(v)
-    v = values.get("repetition_penalty")
-    if v is not None:
-        if not _is_number(v) or v <= 0:
-            raise bad("repetition_penalty", "above 0 (1 is off)")
-        out["repetition_penalty"] = float(v)
-    v = values.get("no_repeat_ngram_size")
-    if v is not None:
-        if not _is_int(v) or v < 0:
-            raise bad("no_repeat_ngram_size", "a whole number of at least 0 (0: off)")
-        out["no_repeat_ngram_size"] = v
+    for f, (ok, what, convert) in RULES.items():
+        v = values.get(f)
+        if v is None:
+            continue
+        if f == "stop" and isinstance(v, str):
+            raise bad(f, "a list of strings, not one string (each item is one stop string)")
+        if not ok(v):
+            raise bad(f, what)
+        if f == "max_new_tokens" and max_new_tokens_cap is not None and v > max_new_tokens_cap:
+            raise bad(f, f"at most {max_new_tokens_cap} (this server's --max-tokens)")
+        out[f] = convert(v)
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -26,3 +27,16 @@ def remember(path: Path, text: str) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def remembered_digest(path: Path, compute: Callable[[], str]) -> str:
+    """The hex sha256 kept at `path` by an earlier run, else compute()'s, kept there for the next."""
+    try:
+        value = path.read_text().strip()
+        if len(value) == 64:
+            return value
+    except OSError:
+        pass
+    value = compute()
+    remember(path, value)
+    return value

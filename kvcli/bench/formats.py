@@ -24,16 +24,26 @@ RESTORE_REPEATS = 3  # restores timed per cache, here and in measure.py (the med
 TTFT_QUESTIONS = 5  # TTFT (with and without the cache) is timed on the first questions; agreement uses all
 
 
-def _restore_s(lm: LoadedModel, path: Path) -> float:
-    """Median seconds to read, verify, decompress (dequantize) and build the cache object."""
-    times = []
-    for _ in range(RESTORE_REPEATS):
+def timed(fn: Callable[[], Any], repeats: int = RESTORE_REPEATS) -> tuple[list[float], Any]:
+    """(seconds of each of `repeats` calls of fn(), what the last one returned); a result is let go before the next call."""
+    times, last = [], None
+    for _ in range(repeats):
+        last = None
         t0 = time.perf_counter()
-        with store.open_cache(path) as opened:
-            cache = restore.load_cache(opened, device=lm.device, dtype=lm.dtype)
+        last = fn()
         times.append(time.perf_counter() - t0)
-        del cache
-    return statistics.median(times)
+    return times, last
+
+
+def restore_cache(lm: LoadedModel, path: Path) -> Any:
+    """Read, verify, decompress (dequantize) and build the cache object."""
+    with store.open_cache(path) as opened:
+        return restore.load_cache(opened, device=lm.device, dtype=lm.dtype)
+
+
+def _restore_s(lm: LoadedModel, path: Path) -> float:
+    """Median seconds of restore_cache."""
+    return statistics.median(timed(lambda: restore_cache(lm, path))[0])
 
 
 def _ttft_s(lm: LoadedModel, path: Path, qs: Sequence[str]) -> float:

@@ -38,11 +38,10 @@ from typing import Any
 from .. import __version__
 from ..documents import Document
 from ..engine import prefilling as pf
-from ..engine.cache import restore
 from ..engine.model.models import LoadedModel
 from ..engine.prompt import framing as fr
 from ..errors import UsageError
-from ..format import manifest as mf, store
+from ..format import manifest as mf
 from . import decode, formats
 from .decode import BATCH_QUESTIONS, DECODE_TOKENS
 from .formats import RESTORE_REPEATS, TTFT_QUESTIONS
@@ -121,8 +120,6 @@ def run(
     if answer_tokens < 1 or agreement_tokens < 1 or decode_tokens < 2:
         raise UsageError("--answer-tokens and --agreement-tokens must be at least 1, --decode-tokens at least 2")
     pool = list(question_list or QUESTIONS)
-    if not pool:
-        raise UsageError("no questions to measure with")
     qs = [pool[i % len(pool)] for i in range(questions)]
     batch = [pool[i % len(pool)] for i in range(BATCH_QUESTIONS)]
     frame = fr.choose(lm.tokenizer, "auto", None)
@@ -178,20 +175,19 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
     row: dict[str, Any] = {"tokens": len(ids), "load_average_start": _loadavg()}
     x = torch.tensor([ids], device=lm.device)
 
-    note("  plain transformers prefill, one forward")
-    with torch.inference_mode(), _plain_attention(model):
-        t0 = time.perf_counter()
-        model(input_ids=x, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
-        row["plain_prefill_s"] = time.perf_counter() - t0
-
-    note(f"  plain transformers prefill, chunks of {chunk_size}")
-    with torch.inference_mode(), _plain_attention(model):
+    def prefill_s(size: int) -> float:
+        """Seconds of transformers' own prefill of the document in chunks of `size`, into a fresh cache."""
         t0 = time.perf_counter()
         cache = DynamicCache(config=model.config)
-        for start in range(0, len(ids), chunk_size):
-            model(input_ids=x[:, start : start + chunk_size], cache=cache, use_cache=True, logits_to_keep=1)
-        row["plain_chunked_prefill_s"] = time.perf_counter() - t0
-        del cache
+        for start in range(0, len(ids), size):
+            model(input_ids=x[:, start : start + size], cache=cache, use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - t0
+
+    with torch.inference_mode(), _plain_attention(model):
+        note("  plain transformers prefill, one forward")
+        row["plain_prefill_s"] = prefill_s(len(ids))
+        note(f"  plain transformers prefill, chunks of {chunk_size}")
+        row["plain_chunked_prefill_s"] = prefill_s(chunk_size)
 
     note("  kvcli prefill (compute, compress, write)")
     res = pf.prefill(lm, doc, path, chunk_size=chunk_size, transform=transform, level=level, force=True)
@@ -202,33 +198,23 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
     row.update(bytes_raw=m.bytes_raw, bytes_shards=shards, bytes_on_disk=sum(f.stat().st_size for f in path.iterdir()))
 
     note(f"  restore x{RESTORE_REPEATS} (read, verify, decompress into the cache object)")
-    times = []
-    for _ in range(RESTORE_REPEATS):
-        t0 = time.perf_counter()
-        with store.open_cache(path) as opened:
-            states = restore.load_cache(opened, device=lm.device, dtype=lm.dtype).states()
-        times.append(time.perf_counter() - t0)
+    times, cache = formats.timed(lambda: formats.restore_cache(lm, path))
     row["restore_s"] = statistics.median(times)
     row["restore_all_s"] = times
 
     note("  naive: torch.save of the layer tensors, torch.load back")
     naive = path.with_suffix(".pt")
-    tensors = [(s.keys.contiguous(), s.values.contiguous()) for s in states]  # views would save their whole buffer
-    del states
+    tensors = [(s.keys.contiguous(), s.values.contiguous()) for s in cache.states()]  # views would save their whole buffer
+    del cache
     t0 = time.perf_counter()
     torch.save(tensors, naive)
-    _fsync(naive)
+    with open(naive, "rb") as f:
+        os.fsync(f.fileno())
     row["naive_save_s"] = time.perf_counter() - t0
     row["naive_bytes"] = naive.stat().st_size
     del tensors
-    times = []
-    for _ in range(RESTORE_REPEATS):
-        t0 = time.perf_counter()
-        # The naive baseline people use: its own file, just written above; never a cache (weights_only: no code).
-        loaded = torch.load(naive, map_location=lm.device, weights_only=True)
-        times.append(time.perf_counter() - t0)
-        del loaded
-    row["naive_restore_s"] = statistics.median(times)
+    # The naive baseline people use: its own file, just written above; never a cache (weights_only: no code).
+    row["naive_restore_s"] = statistics.median(formats.timed(lambda: torch.load(naive, map_location=lm.device, weights_only=True))[0])
     naive.unlink()
 
     note(f"  time to first token for {len(qs)} question(s), with the cache (restore included) and recomputed")
@@ -328,11 +314,6 @@ def _loadavg() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def reset_peak_rss() -> bool:

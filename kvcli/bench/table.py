@@ -63,10 +63,7 @@ def _format_rows(sizes: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
             ("  TTFT with cache", [f"{c['ttft_cached_s']:.3f} s" for c in cells]),
             ("  top-1 (teacher-forced)", [f"{c['agreement']['top1']:.2%}" for c in cells]),
             ("  mean KL", [f"{c['agreement']['kl_mean']:.2e}" for c in cells]),
-            ("  same whole answers", [_pct(c["agreement"]["answers_identical"]) for c in cells]),
+            ("  same whole answers", ["-" if (same := c["agreement"]["answers_identical"]) is None else f"{same:.0%}" for c in cells]),
         ]
     return out
 
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"

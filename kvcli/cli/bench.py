@@ -41,9 +41,7 @@ def bench(
     out = Output(quiet=quiet)
     lengths = _lengths(tokens)
     document = documents.read(doc)
-    pool = []
-    for f in questions_file:
-        pool += gather_questions([], str(f))
+    pool = [q for f in questions_file for q in gather_questions([], str(f))]
     for bits in kv_bits:  # before the model loads
         mf.check_kv_bits(bits)
     if bad := [d for d in dtype if d not in get_args(Dtype)]:

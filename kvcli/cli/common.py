@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import UsageError
+from ..remote import shown  # noqa: F401  (the commands' name for it)
 from .output import Output
 
 
@@ -21,17 +22,6 @@ def local_cache(path: str, out: Output, check=None) -> Path:
 
     with out.status(f"fetching {shown(path)}"):
         return local_store.fetch(path, progress=out.note, check=check)
-
-
-def shown(path: str) -> str:
-    """A cache path or URL as printed (a URL without user:password@)."""
-    from ..remote import is_url
-
-    if not is_url(path):
-        return path
-    from ..remote.objects import redact
-
-    return redact(path)
 
 
 def read_answer_json(path: Path):

@@ -54,9 +54,8 @@ class _StdoutConsole(Console):
 
 
 class Output:
-    def __init__(self, *, quiet: bool = False, json_mode: bool = False):
+    def __init__(self, *, quiet: bool = False):
         self.quiet = quiet
-        self.json_mode = json_mode
         self.err = Console(stderr=True, highlight=False, soft_wrap=True)
         self.interactive = is_terminal(sys.stderr) and not quiet
         self.stdout_terminal = is_terminal(sys.stdout)
@@ -111,10 +110,6 @@ class Output:
     def note(self, message: str) -> None:
         if not self.quiet:
             self.err.print(message, markup=False)
-
-    def raw_note(self, message: str) -> None:
-        """A note already prefixed (`kvcli: note: ...`)."""
-        self.note(message)
 
     def waiting(self, message: str, after: float | None = None) -> "Waiting":
         """A spinner on stderr that shows only if the work takes longer than `after` seconds and only on a
@@ -240,8 +235,8 @@ def debug_enabled() -> bool:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
+    for unit in ("B", "KB", "MB"):
+        if abs(n) < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"

@@ -40,6 +40,17 @@ def cut_note(a: dict[str, Any], label: str | None, max_new_tokens: int | None = 
     return f"kvcli: note: {which} was cut at {n} token{'s' * (n != 1)} ({cause}); it may be unfinished"
 
 
+def message(out: Output, ev: dict[str, Any]) -> None:
+    """A note, warning or error event as its line on stderr (any other event: nothing)."""
+    kind = ev.get("event")
+    if kind == "note":
+        out.note(ev["message"])
+    elif kind == "warning":
+        out.warn(ev["message"])
+    elif kind == "error":
+        out.error(ev["message"], ev.get("hint"))
+
+
 class AskRenderer:
     """Renders one ask's events: answers on stdout (plain, NUL-ended or JSON lines), the rest on stderr.
 
@@ -94,7 +105,7 @@ class AskRenderer:
                 out.write("\0" if self.null else "\n")
             if a.get("finish_reason") == "length" and not self.json_out:  # one line: the cut, and the timing on a terminal
                 note = cut_note(a, self._label(ev["index"], a.get("question", "")) if self.multiple else None, self.max_new_tokens)
-                out.raw_note(note + (f" ({timing(a).removesuffix(' (cut short)')})" if out.interactive else ""))
+                out.note(note + (f" ({timing(a).removesuffix(' (cut short)')})" if out.interactive else ""))
             else:
                 out.summary(timing(a))
         elif kind == "check":
@@ -106,10 +117,8 @@ class AskRenderer:
                     return
                 self.once.add(ev["message"])
             out.warn(ev["message"])
-        elif kind == "note":
-            out.note(ev["message"])
-        elif kind == "error":
-            out.error(ev["message"], ev.get("hint"))
+        else:
+            message(out, ev)
 
 
 class PrefillRenderer:
@@ -142,13 +151,10 @@ class PrefillRenderer:
             if r["status"] == "failed":
                 r["error"] = ev.get("message", r["error"])  # a served message, spelled as the user gave the paths
             self.report(r, ev.get("hint"))
-        elif kind == "error":
-            self._close()
-            out.error(ev["message"], ev.get("hint"))
-        elif kind == "warning":
-            out.warn(ev["message"])
-        elif kind == "note":
-            out.note(ev["message"])
+        else:
+            if kind == "error":
+                self._close()
+            message(out, ev)
 
     def close(self) -> None:
         self._close()

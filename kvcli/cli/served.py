@@ -4,11 +4,13 @@ Imports nothing heavy: this is the path where the CLI must start fast (no torch,
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
 from ..errors import ServerError
 from .output import Output
+from .rendering import message
 
 
 def client_model(model: Optional[str]) -> Optional[str]:
@@ -44,7 +46,7 @@ def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: 
             text = text.replace(absolute, given)
         return text
 
-    render = render or _messages(out)
+    render = render or functools.partial(message, out)
     with conn:
         for ev in conn.events():
             kind = ev.get("event")
@@ -86,24 +88,9 @@ def autostart(out: Output, where) -> bool:
         if client.ping(where, timeout=2.0):
             return True
         pid = sv.detach(where, ["--idle-timeout", idle], cwd="/")
-    out.raw_note(f"kvcli: note: started a warm server (pid {pid}; it exits after {idle} unused; 'kvcli serve --stop' stops it, "
+    out.note(f"kvcli: note: started a warm server (pid {pid}; it exits after {idle} unused; 'kvcli serve --stop' stops it, "
              f"--no-server or KVCLI_AUTOSTART=0 keeps a command in-process)")
     return True
-
-
-def _messages(out: Output):
-    """A renderer for events of no particular command: notes, warnings, errors."""
-
-    def render(ev: dict) -> None:
-        kind = ev.get("event")
-        if kind == "note":
-            out.note(ev["message"])
-        elif kind == "warning":
-            out.warn(ev["message"])
-        elif kind == "error":
-            out.error(ev["message"], ev.get("hint"))
-
-    return render
 
 
 def answers(out: Output, require: Optional[bool]) -> bool:

@@ -19,10 +19,10 @@ from .model.fingerprint import shape, text_config
 from . import throughput
 from .prefilling import too_long
 from ..documents import Document
+from ..format.dtypes import ITEM_SIZES as ITEMSIZE
 
 # stored / raw for byte planes + zstd level 1, measured on the default model's caches (docs/performance.md)
 DISK_RATIO = {"float32": 0.83, "bfloat16": 0.67, "float16": 0.84}
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 LIGHT = "config.json and tokenizer only (no torch)"
 
 
@@ -113,9 +113,7 @@ def _light_folder(source: dict) -> Path | None:
     if source["kind"] == "folder":
         return Path(source["path"])
     if source["kind"] in ("default", "gguf"):
-        for f in models.gguf_folders(source["sha256"]):
-            if (f / "config.json").is_file():
-                return f
+        return next((f for f in models.gguf_folders(source["sha256"]) if (f / "config.json").is_file()), None)
     return None
 
 
@@ -143,28 +141,11 @@ def _maybe_accelerator() -> bool:
         sys.platform == "darwin" and platform.machine() == "arm64")
 
 
-def _parameter_count(config: Any, source: dict | None = None) -> int | None:
+def _parameter_count(config: Any, source: dict) -> int | None:
     """Parameters, without weights or torch: the safetensors headers of a local model folder (exact), else
     from the config for a llama-like decoder (embeddings, attention, MLP, norms; within a few percent)."""
-    folder = _weights_folder(source)
-    if folder is not None:
-        n = _safetensors_count(folder)
-        if n:
-            return n
-    return _config_count(config)
-
-
-def _weights_folder(source: dict | None):
-    from pathlib import Path
-
-    if not source:
-        return None
-    if source.get("kind") == "folder":
-        return Path(source["path"])
-    if source.get("kind") in ("default", "gguf"):
-        folder = models.gguf_folders(source["sha256"])[0]
-        return folder if folder.is_dir() else None
-    return None
+    folder = _light_folder(source)
+    return (_safetensors_count(folder) if folder is not None else None) or _config_count(config)
 
 
 def _safetensors_count(folder) -> int | None:

@@ -56,16 +56,18 @@ def curve(n: int) -> float:
     return n * (A + B * n)
 
 
+def _cpuinfo(key: str) -> str:
+    """The first value of `key` in /proc/cpuinfo (Linux), or ""."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), "")
+
+
 def machine() -> dict[str, Any]:
     """What makes prefill speed differ between machines, as far as it is known without torch."""
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = _cpuinfo("model name")
     if not cpu:
         import platform
 
@@ -78,14 +80,8 @@ NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # x86 CPU flags of native bfloa
 
 def native_bfloat16() -> str | None:
     """The CPU flag that says this machine computes bfloat16 natively (x86 Linux), or None."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
-    except OSError:
-        pass
-    return None
+    flags = set(_cpuinfo("flags").split())
+    return next((f for f in NATIVE_BF16_FLAGS if f in flags), None)
 
 
 def dtype_advice(source: dict[str, Any], dtype: str, device: str = "cpu") -> str | None:
@@ -111,11 +107,8 @@ def model_key(source: dict[str, Any]) -> str | None:
     """The model, as both prefill (after loading) and count (before) name it; None for an in-memory model."""
     if source.get("sha256"):  # a GGUF model; its q4 weights prefill at another speed (engine/model/stored.py)
         return f"sha256:{source['sha256']}" + (f"+{source['weights']}" if source.get("weights", "float") != "float" else "")
-    if source.get("kind") == "folder":
-        return f"folder:{source.get('path')}"
-    if source.get("kind") == "hub":
-        return f"hub:{source.get('id')}"
-    return None
+    field = {"folder": "path", "hub": "id"}.get(source.get("kind"))  # what names a folder or a hub model
+    return f"{source['kind']}:{source.get(field)}" if field else None
 
 
 def _path(key: str, dtype: str, device: str) -> Path:

@@ -94,14 +94,9 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, *, transform: str, le
 
         meta["kv_bits"] = str(quant["bits"])
         payload = _in_order(qt.quantize_layer(keys, values, quant), meta)
-        data = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(payload)
-        raw = keys.numel() * keys.element_size() + values.numel() * values.element_size()
-        return EncodedLayer(data=data, raw_bytes=raw, decoded_bytes=len(payload))
-    if transform == "byteplane":
-        tensors = {"keys": _planes(keys), "values": _planes(values)}
     else:
-        tensors = {"keys": keys.contiguous(), "values": values.contiguous()}
-    payload = save(tensors, metadata=meta)  # the safetensors container, written by the safetensors library
+        layout = _planes if transform == "byteplane" else torch.Tensor.contiguous
+        payload = save({"keys": layout(keys), "values": layout(values)}, metadata=meta)  # written by the safetensors library
     data = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(payload)
     raw = keys.numel() * keys.element_size() + values.numel() * values.element_size()
     return EncodedLayer(data=data, raw_bytes=raw, decoded_bytes=len(payload))
@@ -163,17 +158,6 @@ def _read_planes(src: payload.PayloadReader, dst: torch.Tensor) -> None:
             pos += n
 
 
-def _read_quant(src: payload.PayloadReader, out: tuple[torch.Tensor, torch.Tensor], quant: dict, name: str) -> None:
-    """Stream a quantized payload's parts (in layout order) and dequantize them into `out`."""
-    from . import quant as qt
-
-    def read(part: str, buf: torch.Tensor) -> None:
-        if buf.numel():  # no exact tokens, or all of them exact: a part may hold nothing
-            _read_plain(src, buf)
-
-    qt.dequantize_layer(read, out, quant, where=name)
-
-
 def decode_layer(
     data,
     *,
@@ -205,13 +189,13 @@ def decode_layer(
             raise ValueError(f"destination {tuple(t.shape)} {t.dtype} does not match {shape} {dtype}")
     with payload.PayloadReader(data, where=name, transform=transform, dtype=dtype_name(dtype), key_shape=expected["keys"],
                                value_shape=expected["values"], decoded_bytes=decoded_bytes, quant=quant) as src:
-        if quant is not None:  # 8-/4-bit: parts dequantized into out
-            _read_quant(src, out, quant, name)
+        if quant is not None:  # 8-/4-bit: the parts streamed in layout order (one may hold nothing), dequantized into out
+            from . import quant as qt
+
+            qt.dequantize_layer(lambda _part, buf: _read_plain(src, buf) if buf.numel() else None, out, quant, where=name)
         else:
+            read = _read_planes if transform == "byteplane" else _read_plain
             for t in out:  # in payload order: keys, then values
-                if transform == "byteplane":
-                    _read_planes(src, t)
-                else:
-                    _read_plain(src, t)
+                read(src, t)
         src.finish()
     return out[0], out[1]

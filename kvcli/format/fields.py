@@ -3,6 +3,7 @@ naming the cache and the field. manifest.py validates whole manifests with them.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -29,9 +30,8 @@ def get_field(obj: dict, key: str, types: type | tuple, where: str, *, optional:
     value = obj[name]
     if optional and value is None:
         return None
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise bad(where, f"manifest field '{key}' has the wrong type")
-    if not isinstance(value, types):
+    bool_ok = bool in (types if isinstance(types, tuple) else (types,))  # True is no int in a manifest
+    if not isinstance(value, types) or (isinstance(value, bool) and not bool_ok):
         raise bad(where, f"manifest field '{key}' has the wrong type")
     return value
 
@@ -65,7 +65,4 @@ def shape_field(obj: dict, key: str, where: str) -> tuple[int, ...]:
 
 
 def numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)

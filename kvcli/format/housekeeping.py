@@ -139,19 +139,16 @@ def prune(folder: str | os.PathLike, *, older_than_s: float | None = None, dry_r
     done: list[Removal] = []
     for entry in sorted(folder.iterdir()):
         if is_leftover(entry):
-            size = _safe_size(entry)
+            try:
+                size = size_of(entry)
+            except OSError:  # gone meanwhile
+                size = 0
             if remove_if_stale(entry, dry_run=dry_run):
                 done.append(Removal(path=entry, kind="leftover", bytes=size))
         elif older_than_s is not None and not_a_cache(entry) is None:
             age = age_of(entry)
             if age >= older_than_s and not _needed(entry, older_than_s):
-                done.append(Removal(path=entry, kind="cache", bytes=size_of(entry), age_s=age) if dry_run
-                            else Removal(path=entry, kind="cache", bytes=remove_cache(entry).bytes, age_s=age))
+                size = size_of(entry) if dry_run else remove_cache(entry).bytes
+                done.append(Removal(path=entry, kind="cache", bytes=size, age_s=age))
     return done
 
-
-def _safe_size(path: Path) -> int:
-    try:
-        return size_of(path)
-    except OSError:
-        return 0

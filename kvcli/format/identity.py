@@ -11,6 +11,11 @@ from typing import Any
 WEIGHTS_SCHEME = "every-element-bf16"  # what weights_sha256 covers (a cache without a scheme hashed samples of each tensor)
 VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or_path", "_commit_hash", "dtype",
                         "torch_dtype", "use_cache"}
+# fingerprint fields a cache and the model reading it must agree on, as refusals name them (engine/model/fit.py,
+# integrations/caches.py): the cache's shape, then what the hashes cover
+STRUCTURE = (("model_type", "model type"), ("num_layers", "layer count"), ("num_kv_heads", "key/value heads"),
+             ("head_dim", "head dim"))
+HASHES = (("config_sha256", "model config"), ("weights_sha256", "weights"), ("tokenizer_sha256", "tokenizer"))
 _CHUNK = 1 << 24  # elements hashed at a time (bounded extra memory: 32 MiB as bfloat16)
 
 

@@ -9,6 +9,7 @@ payload under them: restore decompresses the tensors' bytes into their destinati
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 
@@ -21,31 +22,16 @@ MAX_HEADER = 64 * 1024  # a shard's safetensors header is a few hundred bytes; a
 SOURCE_READ = 1 << 20  # bytes zstd asks of a streamed source (store.ShardStream) at a time
 
 
-def _head(data) -> bytes | memoryview:
-    """The first bytes of a shard given as bytes, or as a stream with peek() (store.ShardStream)."""
-    return data.peek() if hasattr(data, "peek") else data
-
-
 def check_declared_size(data, size: int, where: str) -> None:
     """A zstd frame that declares a content size other than the manifest's is refused unread (bomb guard).
 
     `data`: the stored bytes, or a stream with peek() and read() (store.ShardStream)."""
     try:
-        declared = zstandard.frame_content_size(_head(data))
+        declared = zstandard.frame_content_size(data.peek() if hasattr(data, "peek") else data)  # the frame's first bytes
     except zstandard.ZstdError:
         raise CacheCorruptError(f"{where}: not a zstandard frame") from None
     if declared >= 0 and declared != size:
         raise CacheCorruptError(f"{where}: declares {declared} decompressed bytes, manifest says {size}")
-
-
-def header_length(first8: bytes, decoded_bytes: int, where: str) -> int:
-    """The safetensors header length from the payload's first 8 bytes, refused if it cannot fit."""
-    if len(first8) < 8:
-        raise CacheCorruptError(f"{where}: decompresses to {len(first8)} bytes, manifest says {decoded_bytes}")
-    (n,) = struct.unpack("<Q", first8)
-    if n > MAX_HEADER or 8 + n > decoded_bytes:
-        raise CacheCorruptError(f"{where}: safetensors header of {n} bytes does not fit")
-    return n
 
 
 @dataclass(frozen=True)
@@ -56,13 +42,6 @@ class Entry:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def code_bytes(numel: int, bits: int) -> int:
@@ -78,7 +57,7 @@ def layout(dtype: str, key_shape, value_shape, *, transform: str = "none", quant
     item = ITEM_SIZES[dtype]
     out = []
     for name, shape in (("keys", tuple(key_shape)), ("values", tuple(value_shape))):
-        numel = _numel(shape)
+        numel = math.prod(shape)
         if transform == "byteplane":
             out.append(Entry(name, "U8", (item, numel), item * numel))
         else:
@@ -95,6 +74,11 @@ def quant_split(n: int, quant: dict) -> tuple[int, int, int]:
     return first, n - first - last, last
 
 
+def stats_shape(shape, axis: int, group: int) -> tuple[int, ...]:
+    """The shape of a quantized tensor's scales and minimums: one per group of `group` along `axis`."""
+    return tuple(-(-n // group) if i == axis else n for i, n in enumerate(shape))
+
+
 def quant_layout(dtype: str, key_shape, value_shape, quant: dict) -> list[Entry]:
     """Quantized payload: per tensor (keys, then values) NAME.exact (the first exact tokens in the compute
     dtype), NAME.recent (the last recent tokens in the compute dtype; only when the scheme keeps any),
@@ -107,16 +91,14 @@ def quant_layout(dtype: str, key_shape, value_shape, quant: dict) -> list[Entry]
         b, h, n, d = shape
         first, mid, last = quant_split(n, quant)
         rest = (b, h, mid, d)
-        stats = list(rest)
-        stats[axis] = -(-stats[axis] // group)
-        stats = tuple(stats)
+        stats = stats_shape(rest, axis, group)
         out.append(Entry(f"{name}.exact", ST_DTYPES[dtype], (b, h, first, d), item * b * h * first * d))
         if quant.get("recent_tokens", 0) > 0:
             out.append(Entry(f"{name}.recent", ST_DTYPES[dtype], (b, h, last, d), item * b * h * last * d))
         out += [
-            Entry(f"{name}.codes", "U8", (code_bytes(_numel(rest), bits),), code_bytes(_numel(rest), bits)),
-            Entry(f"{name}.scale", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * _numel(stats)),
-            Entry(f"{name}.min", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * _numel(stats)),
+            Entry(f"{name}.codes", "U8", (code_bytes(math.prod(rest), bits),), code_bytes(math.prod(rest), bits)),
+            Entry(f"{name}.scale", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * math.prod(stats)),
+            Entry(f"{name}.min", ST_DTYPES[sdtype], stats, ITEM_SIZES[sdtype] * math.prod(stats)),
         ]
     return out
 
@@ -212,8 +194,11 @@ class PayloadReader:
             if self.size < 8:
                 raise CacheCorruptError(f"{self.where}: payload too short for a safetensors header")
             first = bytearray(8)
-            self.readinto(first)
-            raw = bytearray(header_length(bytes(first), self.size, self.where))
+            self.readinto(first)  # the safetensors header's length
+            (n,) = struct.unpack("<Q", first)
+            if n > MAX_HEADER or 8 + n > self.size:
+                raise CacheCorruptError(f"{self.where}: safetensors header of {n} bytes does not fit")
+            raw = bytearray(n)
             self.readinto(raw)
             check_header(bytes(raw), where=self.where, decoded_bytes=self.size, **self.rules)
         except BaseException as exc:

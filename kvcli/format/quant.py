@@ -45,10 +45,8 @@ def quantize(x: torch.Tensor, *, axis: int, group: int, bits: int, scale_dtype: 
     Groups run along `axis` (2: tokens, for keys per channel; 3: channels, for values per token)."""
     levels = (1 << bits) - 1
     x = x.float()
-    stats_shape = list(x.shape)
-    stats_shape[axis] = -(-x.shape[axis] // group)
-    lo = torch.empty(stats_shape, dtype=torch.float32)
-    hi = torch.empty(stats_shape, dtype=torch.float32)
+    stats = payload.stats_shape(x.shape, axis, group)
+    lo, hi = torch.empty(stats, dtype=torch.float32), torch.empty(stats, dtype=torch.float32)
     for part, sl, red in _groups(x, axis, group):
         lo.narrow(axis, sl.start, sl.stop - sl.start).copy_(part.amin(red))
         hi.narrow(axis, sl.start, sl.stop - sl.start).copy_(part.amax(red))
@@ -137,8 +135,7 @@ def dequantize_layer(read: Callable[[str, torch.Tensor], None], out: tuple[torch
         rest = dst[:, :, first:first + mid]
         packed = torch.empty(payload.code_bytes(rest.numel(), bits), dtype=torch.uint8)
         read(f"{name}.codes", packed)
-        stats = list(rest.shape)
-        stats[axes(name)] = -(-stats[axes(name)] // group)
+        stats = payload.stats_shape(rest.shape, axes(name), group)
         scale, mn = torch.empty(stats, dtype=sdtype), torch.empty(stats, dtype=sdtype)
         read(f"{name}.scale", scale)
         read(f"{name}.min", mn)

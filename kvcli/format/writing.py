@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import glob
 import os
 import shutil
 import threading
@@ -61,11 +62,6 @@ def _renameat2(a: Path, b: Path, flags: int) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE). False where unsupported."""
-    return _renameat2(a, b, RENAME_EXCHANGE)
-
-
 def hidden_sibling(path: Path, tag: str = "") -> Path:
     """A kvcli writer's temporary name beside `path`, '.NAME.kvtmp-PID-[TAG-]HEX': remove_if_stale reads its pid."""
     return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{tag + '-' if tag else ''}{uuid.uuid4().hex[:8]}")
@@ -73,15 +69,8 @@ def hidden_sibling(path: Path, tag: str = "") -> Path:
 
 def clean_stale(target: Path) -> None:
     """Remove temporary siblings of `target` left by killed runs (their process is gone, their lock free)."""
-    parent = target.parent
-    prefix = f".{target.name}{TMP_MARK}"
-    try:
-        entries = list(parent.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        if entry.name.startswith(prefix):
-            remove_if_stale(entry)
+    for entry in list(target.parent.glob(f".{glob.escape(target.name)}{TMP_MARK}*")):  # an unreadable folder: none
+        remove_if_stale(entry)
 
 
 def is_leftover(entry: Path) -> bool:
@@ -91,31 +80,24 @@ def is_leftover(entry: Path) -> bool:
 
 def remove_if_stale(entry: Path, *, dry_run: bool = False) -> bool:
     """Remove a temporary sibling whose writer is gone (process dead, lock free); True if it was (or would be)."""
-    if TMP_MARK not in entry.name:  # a writer lock file: stale once no process holds its flock
-        fd = None if entry.is_symlink() else _lock(entry, block=False)
-        if fd is None:
+    if TMP_MARK in entry.name:
+        pid = entry.name.split(TMP_MARK, 1)[1].split("-")[0]
+        if pid.isdigit() and _alive(int(pid)):
             return False
-        try:
+        if entry.is_symlink() or not entry.is_dir():
             if not dry_run:
                 _remove(entry)
-        finally:
-            os.close(fd)
-        return True
-    pid = entry.name.split(TMP_MARK, 1)[1].split("-")[0] if TMP_MARK in entry.name else ""
-    if pid.isdigit() and _alive(int(pid)):
-        return False
-    if entry.is_symlink() or not entry.is_dir():
-        if not dry_run:
-            _remove(entry)
-        return True
-    lock = _lock(entry, block=False)
-    if lock is None:  # a writer (perhaps on another host sharing this folder) still holds it
+            return True
+    # a writer lock file (stale once no process holds its flock), or a folder a writer (perhaps on another
+    # host sharing this folder) may still hold
+    fd = None if entry.is_symlink() else _lock(entry, block=False)
+    if fd is None:
         return False
     try:
         if not dry_run:
             _remove(entry)
     finally:
-        os.close(lock)
+        os.close(fd)
     return True
 
 
@@ -145,14 +127,12 @@ def _remove(path: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
@@ -173,9 +153,7 @@ def check_target(target: str | os.PathLike, *, force: bool) -> None:
 
 def _held() -> dict[str, list[int]]:
     """This thread's writer locks: lock path -> [fd, depth]."""
-    if not hasattr(_thread, "locks"):
-        _thread.locks = {}
-    return _thread.locks
+    return _thread.__dict__.setdefault("locks", {})
 
 
 def lock_path(target: str | os.PathLike) -> Path:
@@ -296,27 +274,26 @@ def atomic_cache_dir(target: str | os.PathLike, *, force: bool) -> Iterator[Path
 
 
 def _install(tmp: Path, target: Path, *, force: bool) -> None:
+    old = None
     if target.exists():
         if not force:
             raise CacheExistsError(f"{target}: appeared while writing (use --force to replace it)")
         if not is_cache(target) and any(target.iterdir()):
             raise KvcliError(f"{target}: is a non-empty folder that is not a kvcli cache; refusing to replace it")
-        if _exchange(tmp, target):  # tmp now holds the old cache; the finally clause removes it
-            _installed(target)
-            return
-        old = hidden_sibling(target, "old")
-        os.rename(target, old)  # fallback: a brief moment without a cache, never a mix
-        os.rename(tmp, target)
-        _installed(target)
-        _remove(old)
-        return
-    try:
-        done = _renameat2(tmp, target, RENAME_NOREPLACE)
-    except FileExistsError:
-        raise CacheExistsError(f"{target}: appeared while writing (use --force to replace it)") from None
-    if not done:
-        os.rename(tmp, target)
+        if not _renameat2(tmp, target, RENAME_EXCHANGE):  # swapped: tmp holds the old cache, the finally clause removes it
+            old = hidden_sibling(target, "old")
+            os.rename(target, old)  # fallback: a brief moment without a cache, never a mix
+            os.rename(tmp, target)
+    else:
+        try:
+            done = _renameat2(tmp, target, RENAME_NOREPLACE)
+        except FileExistsError:
+            raise CacheExistsError(f"{target}: appeared while writing (use --force to replace it)") from None
+        if not done:
+            os.rename(tmp, target)
     _installed(target)
+    if old is not None:
+        _remove(old)
 
 
 def _installed(target: Path) -> None:

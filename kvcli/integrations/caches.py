@@ -22,20 +22,8 @@ from typing import Any, Iterator
 
 from ..errors import KvcliError
 from ..format import manifest as mf, store
+from ..format.identity import HASHES, STRUCTURE
 from .. import remote
-
-_STRUCTURE = (
-    ("model_type", "model type"),
-    ("num_layers", "layer count"),
-    ("num_kv_heads", "key/value heads"),
-    ("head_dim", "head dim"),
-)
-_HASHES = (
-    ("config_sha256", "model config"),
-    ("weights_sha256", "weights"),
-    ("tokenizer_sha256", "tokenizer"),
-)
-
 
 @dataclass(frozen=True)
 class EngineModel:
@@ -63,8 +51,8 @@ class EngineModel:
 def refusal(m: mf.Manifest, engine: EngineModel) -> str | None:
     """Why the cache with manifest `m` must not be loaded into `engine`, or None if it fits."""
     want = m.model
-    diffs = [label for key, label in _STRUCTURE if want.get(key) != getattr(engine, key)]
-    for key, label in _HASHES:
+    diffs = [label for key, label in STRUCTURE if want.get(key) != getattr(engine, key)]
+    for key, label in HASHES:
         if key in engine.unchecked:
             continue
         have = engine.hashes.get(key)
@@ -121,10 +109,6 @@ class Entry:
     manifest: mf.Manifest
     manifest_sha256: str
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.manifest.token_ids
-
 
 def common_prefix(a: list[int], b: list[int], step: int = 256) -> int:
     """Length of the common prefix of two id lists (slices compared a step at a time, then one by one)."""
@@ -148,7 +132,7 @@ class CacheIndex:
         self.entries: list[Entry] = []
 
     def add(self, entry: Entry) -> None:
-        ids = entry.token_ids
+        ids = entry.manifest.token_ids
         if len(ids) < self.block_size:
             raise ValueError(f"{entry.location}: shorter than one block")
         self._by_head.setdefault(tuple(ids[: self.block_size]), []).append(entry)
@@ -165,7 +149,7 @@ class CacheIndex:
             return None
         best: tuple[Entry, int] | None = None
         for entry in self._by_head.get(tuple(prompt[:b]), ()):
-            n = min(common_prefix(entry.token_ids, prompt), len(prompt) - 1) // b * b
+            n = min(common_prefix(entry.manifest.token_ids, prompt), len(prompt) - 1) // b * b
             if n and (best is None or n > best[1]):
                 best = (entry, n)
         return best
@@ -181,15 +165,7 @@ def discover(root: str) -> Iterator[tuple[str, mf.Manifest | None, str | None]]:
     if remote.is_url(root):
         from ..remote import objects
 
-        fs, path = objects.filesystem(root)
-        with objects.failures(root, KvcliError, "no such folder"):
-            listing = fs.ls(path, detail=True)
-        names = {e["name"].rstrip("/").rpartition("/")[2]: e for e in listing}
-        if mf.MANIFEST_NAME in names:
-            candidates = [root]
-        else:
-            candidates = sorted(objects.join(root, n) for n, e in names.items() if e.get("type") == "directory")
-        for url in candidates:  # the URL as given (credentials included) to read it; print it with objects.redact
+        for url in objects.cache_urls(root):  # the URL as given (credentials included) to read it; print it with objects.redact
             try:
                 yield url, objects.read_manifest(url), None
             except KvcliError as exc:
@@ -237,11 +213,3 @@ def stats_writer(path: str | None):
 
     return write
 
-
-def printable(location: str) -> str:
-    """A cache location as logs print it: a URL without its credentials."""
-    if remote.is_url(location):
-        from ..remote import objects
-
-        return objects.redact(location)
-    return location

@@ -11,6 +11,7 @@ a value that cannot be computed is None and the connector then refuses caches on
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -45,19 +46,17 @@ def weights_sha256(folder: Path, config: Any) -> str | None:
         for name, shape in names:
             f = where[name]
             if f not in opened:
-                opened[f] = safe_open(str(f), framework="pt").__enter__()
+                opened[f] = stack.enter_context(safe_open(str(f), framework="pt"))
             t = opened[f].get_tensor(name)
             if list(t.shape) != shape:
                 raise _Mismatch(name)
             yield name, t
 
-    try:
-        return hash_weights(tensors())
-    except _Mismatch:
-        return None
-    finally:
-        for st in opened.values():
-            st.__exit__(None, None, None)
+    with ExitStack() as stack:  # every file opened, closed at the end
+        try:
+            return hash_weights(tensors())
+        except _Mismatch:
+            return None
 
 
 class _Mismatch(Exception):

@@ -176,7 +176,7 @@ class KvcliConnector(KVConnectorBase_V1):
         )
         self._index, refused = self._build()
         logger.info("KvcliConnector: %d cache(s) under %s fit %s, %d refused (%.1f s)", len(self._index),
-                    cx.printable(self._root), mc.model,
+                    remote.shown(self._root), mc.model,
                     len(refused), time.perf_counter() - started)
 
     def _build(self) -> tuple[cx.CacheIndex, dict[str, str]]:
@@ -194,8 +194,8 @@ class KvcliConnector(KVConnectorBase_V1):
         if self._refused.get(location) == reason:
             return
         self._refused[location] = reason
-        logger.warning("KvcliConnector: refusing cache %s: %s", cx.printable(location), reason)
-        self._stats(event="refused", cache=cx.printable(location), reason=reason)
+        logger.warning("KvcliConnector: refusing cache %s: %s", remote.shown(location), reason)
+        self._stats(event="refused", cache=remote.shown(location), reason=reason)
 
     def _drop(self, entry: cx.Entry) -> None:
         index = cx.CacheIndex(self._block_size)
@@ -225,7 +225,7 @@ class KvcliConnector(KVConnectorBase_V1):
                 started = time.perf_counter()
                 store.verify(local)
                 self._ready[entry.location] = (local, signature)
-                self._stats(event="verified", cache=cx.printable(entry.location), seconds=round(time.perf_counter() - started, 4))
+                self._stats(event="verified", cache=remote.shown(entry.location), seconds=round(time.perf_counter() - started, 4))
             return local
         except (KvcliError, OSError) as exc:
             self._refuse(entry.location, str(exc))
@@ -260,7 +260,7 @@ class KvcliConnector(KVConnectorBase_V1):
             if local is not None:
                 break
         new = n - num_computed_tokens
-        self._stats(event="match", request=request.request_id, cache=cx.printable(entry.location), prompt_tokens=len(ids),
+        self._stats(event="match", request=request.request_id, cache=remote.shown(entry.location), prompt_tokens=len(ids),
                     matched_tokens=n, local_computed=num_computed_tokens, load_tokens=max(new, 0))
         if new <= 0:
             return 0, False

@@ -8,27 +8,18 @@ every URL it prints.
 
 from __future__ import annotations
 
-import re
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import READ_ONLY_SCHEMES, scheme
+from . import READ_ONLY_SCHEMES, redact, scheme
 from ..documents import MAX_DOCUMENT_BYTES, Document, decode
 from ..errors import CacheExistsError, CacheMissingError, DocumentError, KvcliError, UsageError, extra_hint
 from ..format import manifest as mf
 
 INSTALL_HINT = extra_hint("object stores", "remote")
-_USERINFO = re.compile(r"(://)[^/@\s]+@")
-
-
-def redact(text: str) -> str:
-    """`text` with any user:password@ of a URL removed (credentials never reach a message)."""
-    return _USERINFO.sub(r"\1", text)
-
-
 def join(url: str, name: str) -> str:
     return url.rstrip("/") + "/" + name
 
@@ -194,19 +185,22 @@ class RemoteTarget:
         return r
 
 
-def list_caches(url: str) -> list[dict[str, Any]]:
-    """`kvcli ls URL`: every cache directly under `url` (or `url` itself), broken ones flagged."""
-    from ..format import catalog
-
+def cache_urls(url: str, *, suffix: str = "") -> list[str]:
+    """`url` itself if it holds a manifest, else every folder directly under it (whose name ends in `suffix`), sorted."""
     fs, path = filesystem(url)
     with failures(url, KvcliError, "no such folder"):
         names = {_basename(e["name"]): e for e in fs.ls(path, detail=True)}
     if mf.MANIFEST_NAME in names:
-        candidates = [url]
-    else:
-        candidates = sorted(join(url, n) for n, e in names.items() if e.get("type") == "directory" and n.endswith(".kv"))
+        return [url]
+    return sorted(join(url, n) for n, e in names.items() if e.get("type") == "directory" and n.endswith(suffix))
+
+
+def list_caches(url: str) -> list[dict[str, Any]]:
+    """`kvcli ls URL`: every cache directly under `url` (or `url` itself), broken ones flagged."""
+    from ..format import catalog
+
     rows = []
-    for cache in candidates:
+    for cache in cache_urls(url, suffix=".kv"):
         try:
             m = read_manifest(cache)
         except KvcliError as exc:

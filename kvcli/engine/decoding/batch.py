@@ -9,7 +9,7 @@ batch and a waiting one takes its row between steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -122,8 +122,7 @@ class BatchDecoder(RowQueue):
         return self._finished()
 
 
-def decode_rows(model: Any, states: Sequence[Any], rows: list[Row], *, batch_size: int, eos: set[int],
-                pad_id: int, done: Callable[[Row], None] | None = None) -> None:
+def decode_rows(model: Any, states: Sequence[Any], rows: list[Row], *, batch_size: int, eos: set[int], pad_id: int) -> None:
     """Run every row to its end through one BatchDecoder, outside any engine (the batching probe, tests), at most
     batch_size at once; rows fill in place (answer, timings)."""
     if not rows:
@@ -132,9 +131,7 @@ def decode_rows(model: Any, states: Sequence[Any], rows: list[Row], *, batch_siz
     for row in rows:
         decoder.add(row)
     while decoder.busy:
-        for row in decoder.step():
-            if done:
-                done(row)
+        decoder.step()
 
 
 def padding_id(tokenizer: Any, model: Any) -> int:

@@ -42,13 +42,8 @@ class TextStream:
         else:  # the seam moved what was decoded before (rare): decode the answer whole, once
             full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
             self.text = full if full.startswith(self.text[: self.sent]) else self.text[: self.sent] + full[self.sent:]
-        searched_from = max(0, self.sent - self._longest + 1)  # a stop string cannot start in text already sent
         self._prefix, self._read = max(0, len(self.ids) - CONTEXT), len(self.ids)
-        if self.stop:
-            at = _find_any(self.text, self.stop, searched_from)
-            if at is not None:
-                self.stopped = True
-                self.text = self.text[:at]
+        self._cut_at_stop()
         self._emit(final=self.stopped)
         return self.stopped
 
@@ -58,12 +53,15 @@ class TextStream:
             full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
             if full.startswith(self.text[: self.sent]):
                 self.text = full
-                if self.stop:
-                    at = _find_any(self.text, self.stop, max(0, self.sent - self._longest + 1))
-                    if at is not None:
-                        self.stopped = True
-                        self.text = self.text[:at]
+                self._cut_at_stop()
         self._emit(final=True)
+
+    def _cut_at_stop(self) -> None:
+        """End the text before the first stop string in it, searched only where one could start in unsent text."""
+        found = [at for at in (self.text.find(s, max(0, self.sent - self._longest + 1)) for s in self.stop) if at >= 0]
+        if found:
+            self.stopped = True
+            self.text = self.text[:min(found)]
 
     def _decode(self, start: int, stop: int) -> str:
         if stop <= start:
@@ -83,9 +81,4 @@ class TextStream:
             self.sent = settled
             if self.on_text:
                 self.on_text(piece)
-
-
-def _find_any(text: str, stops: Sequence[str], start: int) -> int | None:
-    found = [at for at in (text.find(s, start) for s in stops) if at >= 0]
-    return min(found) if found else None
 

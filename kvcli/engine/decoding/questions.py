@@ -48,10 +48,9 @@ def chooser(lm: Any, options: Any) -> Callable[[list[int], torch.Tensor], int]:
 
     def choose(ids: list[int], logits: torch.Tensor) -> int:
         scores = logits[None]  # [1, vocab]
-        if steps:
-            input_ids = torch.tensor([ids], device=logits.device)
-            for step in steps:
-                scores = step(input_ids, scores)
+        input_ids = torch.tensor([ids], device=logits.device)
+        for step in steps:
+            scores = step(input_ids, scores)
         return int(torch.argmax(scores[0]))
 
     return choose

@@ -56,14 +56,10 @@ class GenerationOptions:
     no_repeat_ngram_size: int = 0  # 0: off; n>0 never repeats an n-gram of the prompt or answer
 
 
-def positions_left(lm: Any, prompt: Sequence[int]) -> int | None:
-    """The model's positions after `prompt` (None: the model sets no limit; 0 or less: no room for an answer)."""
-    return lm.max_positions - len(prompt) if lm.max_positions else None
-
-
 def prompt_room(lm: Any, prompt: Sequence[int], opts: GenerationOptions) -> int:
-    """How many answer tokens this prompt may have: --max-new-tokens within the model's positions."""
-    left = positions_left(lm, prompt)
-    if left is not None and left <= 0:
+    """How many answer tokens this prompt may have: --max-new-tokens within the model's positions (if it has a limit)."""
+    if not lm.max_positions:
+        return opts.max_new_tokens
+    if len(prompt) >= lm.max_positions:
         raise PromptTooLongError(f"{PromptTooLongError.LEAD}the prompt needs {len(prompt)} of the model's {lm.max_positions} positions")
-    return opts.max_new_tokens if left is None else min(opts.max_new_tokens, left)
+    return min(opts.max_new_tokens, lm.max_positions - len(prompt))

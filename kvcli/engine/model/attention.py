@@ -118,11 +118,7 @@ def select(model: Any) -> bool:
 def kernel_name(implementation: str | None) -> str:
     """The attention kernel behind an implementation name, as caches record it: kvcli's functions run
     torch's sdpa or the model's own eager attention (tests/test_attention.py shows identical logits)."""
-    if implementation in (NAME, SDPA_NAME):
-        return "sdpa"
-    if implementation == EAGER_NAME:
-        return "eager"
-    return str(implementation or "unknown")
+    return {NAME: "sdpa", SDPA_NAME: "sdpa", EAGER_NAME: "eager"}.get(implementation, str(implementation or "unknown"))
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...home import remember
+from ...home import remembered_digest
 from ...format.identity import (WEIGHTS_SCHEME, config_sha256, sha256_json, template_sha256,  # noqa: F401  (the API's names)
                                 tokenizer_sha256, weights_sha256 as hash_weights)
 
@@ -59,17 +59,9 @@ def weights_sha256(model: Any, files: Sequence[Path] = (), memo: Path | None = N
     in the folder `memo` ($KVCLI_HOME/fingerprints) by their identity (path, size, mtime, inode), so loading
     the same files again costs a stat per file, not a pass over the weights."""
     key = _files_key(files) if memo is not None else None
-    if key is not None:
-        try:
-            value = (memo / key).read_text().strip()
-            if len(value) == 64:
-                return value
-        except OSError:
-            pass
-    value = _hash_every_weight(model)
-    if key is not None:
-        remember(memo / key, value)
-    return value
+    if key is None:
+        return _hash_every_weight(model)
+    return remembered_digest(memo / key, lambda: _hash_every_weight(model))
 
 
 def _hash_every_weight(model: Any) -> str:

@@ -5,18 +5,11 @@ from __future__ import annotations
 from ..cache import layers
 from ...errors import CacheMismatchError
 from ...format import manifest as mf
+from ...format.identity import HASHES, STRUCTURE
 from ..prompt.framing import SUPPORTED_VERSIONS
 from .models import LoadedModel
 
-_CHECKED = (
-    ("model_type", "model type"),
-    ("config_sha256", "model config"),
-    ("weights_sha256", "weights"),
-    ("tokenizer_sha256", "tokenizer"),
-    ("num_layers", "layer count"),
-    ("num_kv_heads", "key/value heads"),
-    ("head_dim", "head dim"),
-)
+_CHECKED = STRUCTURE[:1] + HASHES + STRUCTURE[1:]  # the order refusals list them in
 
 
 def check_fits(manifest: mf.Manifest, lm: LoadedModel, where: str, *, convert_dtype: bool = False) -> None:

@@ -26,21 +26,15 @@ def load_args(source: dict[str, Any]) -> dict[str, Any]:
     args = {"revision": source.get("revision")}
     if source.get("kind") != "hub":
         return args
-    from huggingface_hub import constants
+    from huggingface_hub import constants, try_to_load_from_cache
 
     endpoint = constants.ENDPOINT
     if not constants.HF_HUB_OFFLINE and reachable(endpoint):
         return args
-    if not _cached(source):
+    if not isinstance(try_to_load_from_cache(source["id"], "config.json", revision=source.get("revision")), str):  # not cached
         why = "the hub is offline (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE else f"the hub ({endpoint}) cannot be reached"
         raise ModelError(f"model '{source['id']}' is not in the local hub cache and {why}", hint=LOCAL_HINT)
     return {**args, "local_files_only": True}
-
-
-def _cached(source: dict[str, Any]) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    return isinstance(try_to_load_from_cache(source["id"], "config.json", revision=source.get("revision")), str)
 
 
 def reachable(endpoint: str) -> bool:

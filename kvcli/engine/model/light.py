@@ -21,17 +21,14 @@ _UNUSUAL = ("kv_sharing_modes", "per_layer_config", "text_config", "kv_lora_rank
 
 
 class JsonConfig:
-    """config.json as attributes (only what counting and the layer plan read), with the text config being itself."""
+    """config.json as attributes (only what counting and the layer plan read; a key it leaves out is absent, as
+    getattr(..., None) expects), with the text config being itself."""
 
     def __init__(self, data: dict[str, Any]):
         self.__dict__.update(data)
-        self.data = data
 
     def get_text_config(self, decoder: bool = True) -> "JsonConfig":
         return self
-
-    def __getattr__(self, name: str) -> Any:  # a key config.json leaves out: absent, as getattr(..., None) expects
-        raise AttributeError(name)
 
 
 def config(folder: Path) -> tuple[JsonConfig | None, str | None]:

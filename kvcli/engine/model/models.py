@@ -20,7 +20,7 @@ from typing import Any
 
 from ...errors import ModelError
 from ...format.writing import hidden_sibling
-from ...home import kvcli_home, remember  # noqa: F401  (models.kvcli_home: where converted models live)
+from ...home import kvcli_home, remembered_digest  # noqa: F401  (models.kvcli_home: where converted models live)
 from . import hub
 from .fingerprint import fingerprint, sha256_json  # noqa: F401  (fingerprint: models.fingerprint stays the API)
 from .quiet import quiet_transformers as _quiet_transformers
@@ -60,11 +60,8 @@ class LoadedModel:
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def default_gguf_path() -> Path:
@@ -153,40 +150,25 @@ def _cached_sha(path: Path) -> str:
     """sha256 of a (large) file, remembered by size and mtime under KVCLI_HOME to spare re-hashing."""
     st = path.stat()
     key = sha256_json([str(path.resolve()), st.st_size, st.st_mtime_ns])[:32]
-    memo = kvcli_home() / "hashes" / key
-    try:
-        value = memo.read_text().strip()
-        if len(value) == 64:
-            return value
-    except OSError:
-        pass
-    value = sha256_file(path)
-    remember(memo, value)
-    return value
+    return remembered_digest(kvcli_home() / "hashes" / key, lambda: sha256_file(path))
 
 
 def pick_device(device: str) -> str:
     import torch
 
-    if device != "auto":
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ModelError("--device cuda: no CUDA device is available")
-        if device == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-            raise ModelError("--device mps: MPS is not available")
-        return device
-    if torch.cuda.is_available():
-        return "cuda"
-    if hasattr(torch.backends, "mps") and torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
+    available = {"cuda": torch.cuda.is_available(), "mps": hasattr(torch.backends, "mps") and torch.backends.mps.is_available()}
+    if device == "auto":
+        return next((d for d, ok in available.items() if ok), "cpu")
+    if not available.get(device, True):
+        raise ModelError(f"--device {device}: " + ("no CUDA device is available" if device == "cuda" else "MPS is not available"))
+    return device
 
 
 def pick_dtype(dtype: str, device: str, config: Any):
     import torch
 
-    from ...format.dtypes import DTYPES
+    from ...format.codec import DTYPES as names  # name -> torch dtype
 
-    names = {name: getattr(torch, name) for name in DTYPES}
     if dtype != "auto":
         if dtype not in names:
             raise ModelError(f"--dtype {dtype}: choose auto, float32, bfloat16 or float16")
@@ -194,8 +176,7 @@ def pick_dtype(dtype: str, device: str, config: Any):
     if device == "cpu":
         return torch.float32
     own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    own = names.get(str(own).removeprefix("torch."), None) if own is not None else None
-    return own or torch.float32
+    return names.get(str(own).removeprefix("torch."), torch.float32)  # none given, or not a dtype kvcli stores: float32
 
 
 def gguf_folders(sha: str) -> tuple[Path, Path]:
@@ -250,10 +231,14 @@ def load_config(source: dict[str, Any], *, trust_remote_code: bool = False, prog
     args = hub.load_args(source)  # a hub id that cannot load is refused before transformers is imported
     from transformers import AutoConfig
 
-    where = _load_path(source, progress)
+    return _from_pretrained(source, AutoConfig, _load_path(source, progress), trust_remote_code=trust_remote_code, **args)
+
+
+def _from_pretrained(source: dict[str, Any], auto: Any, where: str, **kwargs: Any) -> Any:
+    """auto.from_pretrained(where, **kwargs) with transformers quiet; a failure as the ModelError naming the model."""
     try:
         with _quiet_transformers():
-            return AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **args)
+            return auto.from_pretrained(where, **kwargs)
     except Exception as exc:
         raise _load_error(source, exc) from exc
 
@@ -274,18 +259,10 @@ def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = Fa
             where, light = str(light), None
         else:
             where, extra = str(Path(source["path"]).parent), {**extra, "gguf_file": Path(source["path"]).name}
-    try:
-        with _quiet_transformers():
-            config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code, **extra)
-    except Exception as exc:
-        raise _load_error(source, exc) from exc
+    config = _from_pretrained(source, AutoConfig, where, trust_remote_code=trust_remote_code, **extra)
     if check is not None:
         check(config)
-    try:
-        with _quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **extra)
-    except Exception as exc:
-        raise _load_error(source, exc) from exc
+    tok = _from_pretrained(source, AutoTokenizer, where, trust_remote_code=trust_remote_code, **extra)
     if light is not None:
         _save_light(light, config, tok)
     return config, tok
@@ -350,12 +327,8 @@ def load(
     torch_dtype = pick_dtype(dtype, dev, config)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        with _quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **args)
-            lm = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, trust_remote_code=trust_remote_code, **args)
-    except Exception as exc:
-        raise _load_error(source, exc) from exc
+    tok = _from_pretrained(source, AutoTokenizer, where, trust_remote_code=trust_remote_code, **args)
+    lm = _from_pretrained(source, AutoModelForCausalLM, where, dtype=torch_dtype, trust_remote_code=trust_remote_code, **args)
     lm.to(dev).eval()
     attention.select(lm)
     if source["kind"] == "hub":

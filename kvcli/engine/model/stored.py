@@ -314,7 +314,5 @@ def use(model: Any, mode: str, gguf_path: Path | None, gguf_folder: Path | None)
     into `gguf_folder`) runs its own codes, kept beside that folder."""
     if mode == "q8":
         use_q8(model)
-    elif gguf_path is not None and gguf_folder is not None:
-        use_q4(model, gguf_path, gguf_folder.with_name(gguf_folder.name + "-q4"))
     else:
-        use_q4(model, None, None)
+        use_q4(model, gguf_path, gguf_folder.with_name(gguf_folder.name + "-q4") if gguf_folder is not None else None)

@@ -47,10 +47,6 @@ def _ids(vocab: int, n: int, salt: int) -> list[int]:
     return [low + (salt * 7919 + i * 104729) % (vocab - low) for i in range(n)]
 
 
-def _vocab(model: Any) -> int:
-    return int(model.get_input_embeddings().num_embeddings)
-
-
 def _reference(model: Any, doc: list[int], rows: list[Any]) -> list[Any]:
     """Logits [answer, vocab] of every row's answer steps from one plain forward, no cache: each row's whole
     prompt and answer, right-padded (a causal model never lets a real token see the pads after it)."""
@@ -77,7 +73,7 @@ def _measure(model: Any) -> tuple[float, float]:
     from ..decoding.protocol import Row
     from ..cache import layers
 
-    vocab = _vocab(model)
+    vocab = int(model.get_input_embeddings().num_embeddings)
     doc = _ids(vocab, DOCUMENT, 0)
     with torch.inference_mode():
         doc_cache = DynamicCache(config=model.config)

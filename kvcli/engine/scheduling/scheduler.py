@@ -176,7 +176,7 @@ class Engine:
         return self._batched
 
     @batched.setter
-    def batched(self, value: bool) -> None:
+    def batched(self, value: bool) -> None:  # tests pin the path
         self._batched = value
 
     @property
@@ -190,7 +190,7 @@ class Engine:
     def busy(self) -> bool:
         """Whether any row is waiting or decoding, or any turn is wanted."""
         with self._cv:
-            return bool(self._incoming or self._turns or any(d.busy for _s, d in self._decoders.values()))
+            return self.decoding or bool(self._turns)
 
     @property
     def decoding(self) -> bool:
@@ -341,8 +341,7 @@ class Engine:
 
     def _has_work(self) -> bool:
         """Under _cv: anything for the engine thread to do (rows in or out, a turn, rows to step, closing)."""
-        return bool(self._incoming or self._cancels or self._turns or self._closed
-                    or any(d.busy for _s, d in self._decoders.values()))
+        return self.busy or bool(self._cancels or self._closed)
 
     def _step(self, session: Any, decoder: Decoder) -> None:
         try:
