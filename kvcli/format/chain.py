@@ -6,13 +6,10 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import CacheMissingError
 from .fields import bad, get_field, int_field, str_field
-
-if TYPE_CHECKING:
-    from .manifest import Manifest
 
 BASE_KEYS = ("manifest_sha256", "path", "num_tokens")  # the base's manifest digest, where it lies, its tokens
 MAX_CHAIN = 64  # links a chain may have: bounds a hostile loop of bases
@@ -44,9 +41,9 @@ def base_path(link: Path, recorded: str) -> Path:
     return Path(os.path.normpath(link / recorded))
 
 
-def base_problem(link: Manifest, base: Manifest) -> str | None:
-    """What makes `base` not the cache `link` was computed on (None if it is): the same manifest (its digest),
-    model, framing and token ids."""
+def base_problem(link: Any, base: Any) -> str | None:
+    """What makes manifest `base` not that of the cache manifest `link` was computed on (None if it is): the same
+    manifest (its digest), model, framing and token ids."""
     if base.digest != link.base["manifest_sha256"]:
         return "has changed since this cache was made (its manifest digest differs)"
     if base.num_tokens != link.base["num_tokens"] or base.token_ids != link.token_ids[: base.num_tokens]:
