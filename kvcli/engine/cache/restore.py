@@ -57,12 +57,13 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
             out[0].copy_(k)
             out[1].copy_(v)
 
+    def one(i: int) -> None:  # a layer's links in one task: as many tasks as a single cache has
+        for link in links if m.layers[i].kind == "full" else [cache]:
+            fill(i, link, *built[i][1:])
+
     built = [allocate(i) for i in range(len(m.layers))]
-    work = [(i, link) for i in range(len(m.layers))
-            for link in (links if m.layers[i].kind == "full" else [cache])]
-    workers = threads or default_threads(len(work))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(lambda job: fill(job[0], job[1], *built[job[0]][1:]), work))
+    with ThreadPoolExecutor(max_workers=threads or default_threads(len(m.layers))) as pool:
+        list(pool.map(one, range(len(m.layers))))
     for entry, (layer, keys, values) in zip(m.layers, built):
         if entry.kind != "full":
             layer.restore(keys, values, entry.seq_length)
