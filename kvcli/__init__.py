@@ -10,7 +10,7 @@ Python API (heavy modules load on first use, so `import kvcli` stays cheap):
     both = kvcli.Session(lm, ["a.kv", "b.kv"], blend=0.15)   # two documents, one prompt (approximate: docs/composing.md)
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _LAZY = {
     "load": ("kvcli.engine.model.models", "load"),

@@ -55,7 +55,7 @@ def test_constraints_pin_every_requirement_of_the_project():
 def test_version_is_written_once_and_read_without_torch():
     import kvcli
 
-    assert kvcli.__version__ == "0.2.0"
+    assert kvcli.__version__ == "0.3.0"
     assert metadata.version("kvcli") == kvcli.__version__, "reinstall (pip install -e .): metadata is stale"
     assert f"## [{kvcli.__version__}]" in (ROOT / "CHANGELOG.md").read_text()
     code = (
