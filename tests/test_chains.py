@@ -247,3 +247,16 @@ def test_a_list_line_may_name_a_base(tmp_path, tiny_model_dir, monkeypatch):
     (tmp_path / "list.txt").write_text("p1.txt\np2.txt\n", encoding="utf-8")  # no longer a chain: rebuilt alone
     alone = [json.loads(line) for line in run(*args).stdout.splitlines()]
     assert [r["status"] for r in alone] == ["skipped", "built"] and store.read_manifest(tmp_path / "p2.kv").base is None
+
+
+def test_a_list_run_extends_a_document_that_grew(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.txt").write_text(PARTS[0], encoding="utf-8")
+    (tmp_path / "list.txt").write_text("doc.txt\n", encoding="utf-8")
+    args = ("prefill", "--from-list", "list.txt", "--model", tiny_model_dir, "--no-server", "--json")
+    assert json.loads(run(*args).stdout)["status"] == "built"
+    (tmp_path / "doc.txt").write_text(PARTS[0] + PARTS[1], encoding="utf-8")
+    grown = json.loads(run(*args).stdout)
+    assert grown["status"] == "extended" and grown["computed_tokens"] < grown["num_tokens"] - grown["extended_from"] + 8
+    forced = json.loads(run(*args, "--force").stdout)
+    assert forced["status"] == "built" and forced["computed_tokens"] == forced["num_tokens"]

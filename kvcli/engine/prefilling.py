@@ -157,14 +157,15 @@ def prefill(
     recent_tokens: int | None = None,
     split: tuple[list[int], fr.Framing] | None = None,
     after: str | os.PathLike | None = None,
-    extend: bool = True,
+    extend: bool | None = None,
 ) -> PrefillResult:
     """Compute the document's cache and write it atomically to `out` (replacing only with force).
 
     after: a cache this one extends (a chain: `prefill --after`): it is restored, only this document's tokens
     run on top of it, and the new cache stores only theirs plus a link to it. extend: where `out` holds this
     document's cache from when it was shorter (same model, framing, base, lossless), only what was added is
-    computed (from the first token whose id changed) and the grown cache replaces it; force recomputes all.
+    computed (from the first token whose id changed) and the grown cache replaces it; by default unless force
+    (which then recomputes all).
 
     kv_bits 8 or 4 stores it group-quantized (lossy, 4-8x smaller than raw; see format/quant.py);
     None (the default) stores it losslessly. split: the document's ids and framing from the fit check made
@@ -192,7 +193,8 @@ def prefill(
                 raise exc
         else:
             ids, frame = document_split(lm, document, asked, split)
-        old = _grown_cache(out, lm, document, asked, kv_bits, base, stack) if extend and not force else None
+        grow = not force if extend is None else extend
+        old = _grown_cache(out, lm, document, asked, kv_bits, base, stack) if grow else None
         with writing.atomic_cache_dir(out, force=force or old is not None) as tmp:
             t0 = time.perf_counter()
             timing: dict = {}
@@ -265,15 +267,16 @@ def _grown_cache(out: Path, lm: LoadedModel, document: Document, asked: fr.Frami
     if not store.is_cache(out):
         return None
     try:
-        old = stack.enter_context(store.open_cache(out))
+        old = store.open_cache(out)
     except CacheError:
         return None
     m = old.manifest
     same_base = (m.base or {}).get("manifest_sha256") == (base.manifest.digest if base is not None else None)
     if not (grew(m, document) and same_base and m.quant is None and kv_bits is None
             and same_setup(m, lm, asked.record(lm.tokenizer), None)):
+        old.close()
         return None
-    return old
+    return stack.enter_context(old)
 
 
 def _resume(opened, ids: list[int], lm: LoadedModel):
@@ -299,11 +302,7 @@ def _resume(opened, ids: list[int], lm: LoadedModel):
 
 def _common(a: list[int], b: list[int]) -> int:
     """Length of the longest common start of two id lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _link(out: Path, base) -> dict:
