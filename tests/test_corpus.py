@@ -122,9 +122,10 @@ def test_list_builds_then_skips_without_reading_shards(docs, tiny_model_dir, tmp
     assert [r["bytes_on_disk"] for r in skipped] == [r["bytes_on_disk"] for r in rows]
     monkeypatch.undo()
 
-    docs[1].write_text(docs[1].read_text(encoding="utf-8") + "\nA new clause.", encoding="utf-8")  # document changed
+    docs[1].write_text("A new first clause.\n" + docs[1].read_text(encoding="utf-8"), encoding="utf-8")  # document changed
+    docs[2].write_text(docs[2].read_text(encoding="utf-8") + "\nA new clause.", encoding="utf-8")  # document grew
     framing = prefill_list(listing, out, tiny_model_dir)
-    assert [r["status"] for r in json_lines(framing.stdout)] == ["skipped", "built", "skipped", "skipped"]
+    assert [r["status"] for r in json_lines(framing.stdout)] == ["skipped", "built", "extended", "skipped"]
     system = prefill_list(listing, out, tiny_model_dir, "--system", "Be brief.")  # framing changed: all stale
     assert [r["status"] for r in json_lines(system.stdout)] == ["built"] * 4
     forced = prefill_list(listing, out, tiny_model_dir, "--system", "Be brief.", "--force")
