@@ -17,6 +17,7 @@ from .prompt import framing as fr
 from .cache import layers
 
 from ..format import manifest as mf, writing
+from ..format.identity import FRAMING_KEYS
 from ..documents import Document
 from ..errors import DocumentError, ModelError, UsageError
 from .model.models import LoadedModel
@@ -34,8 +35,6 @@ ProgressFn = Callable[[int, int], None]  # (tokens done, tokens total)
 # Fingerprint fields that decide whether a cache still fits the model (those fit.check_fits reads).
 FINGERPRINT_KEYS = ("model_type", "config_sha256", "weights_sha256", "tokenizer_sha256", "chat_template_sha256",
                     "dtype", "num_layers", "num_kv_heads", "head_dim", "max_positions", "weights")
-FRAMING_KEYS = ("kind", "system", "template_sha256")  # the framing asked for; where the cut fell (version, anchor,
-# pending) follows from it, the document and the tokenizer
 
 
 @dataclass(frozen=True)

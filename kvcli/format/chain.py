@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import CacheMissingError
 from .fields import bad, get_field, int_field, str_field
+from .identity import FRAMING_KEYS
 
 BASE_KEYS = ("manifest_sha256", "path", "num_tokens")  # the base's manifest digest, where it lies, its tokens
 MAX_CHAIN = 64  # links a chain may have: bounds a hostile loop of bases
@@ -50,6 +51,6 @@ def base_problem(link: Any, base: Any) -> str | None:
         return "holds other token ids than the start of this cache"
     if {k: v for k, v in base.model.items() if k != "source"} != {k: v for k, v in link.model.items() if k != "source"}:
         return "was made with another model or dtype"
-    if any(base.framing.get(k) != link.framing.get(k) for k in ("kind", "system", "template_sha256")):
+    if any(base.framing.get(k) != link.framing.get(k) for k in FRAMING_KEYS):
         return "was made with another prompt framing"
     return None

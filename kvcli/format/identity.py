@@ -16,6 +16,8 @@ VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "_model_name_or
 STRUCTURE = (("model_type", "model type"), ("num_layers", "layer count"), ("num_kv_heads", "key/value heads"),
              ("head_dim", "head dim"))
 HASHES = (("config_sha256", "model config"), ("weights_sha256", "weights"), ("tokenizer_sha256", "tokenizer"))
+FRAMING_KEYS = ("kind", "system", "template_sha256")  # the framing asked for; where the cut fell (version, anchor,
+# pending) follows from it, the document and the tokenizer
 _CHUNK = 1 << 24  # elements hashed at a time (bounded extra memory: 32 MiB as bfloat16)
 
 
