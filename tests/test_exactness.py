@@ -9,6 +9,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 import kvcli
 from kvcli import documents
@@ -309,48 +310,35 @@ def test_questions_at_once_count_only_their_own_tokens(threaded):
 
 
 # ---------------------------------------------------------------------------------------------------
-# One question's steps with their products split across two threads (engine/model/linear.py)
+# One question's steps taking either way (engine/decoding/solo.py): workers spinning and products split
+# across the threads, or workers sleeping beside a pool and products whole
 # ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])  # full attention: the lone row decodes solo; biased q/k/v; q/k norms
-def test_split_products_give_generates_tokens(tokenizer, tmp_path, monkeypatch, name):
+def test_steps_split_or_not_give_generates_tokens(tokenizer, tmp_path, monkeypatch, name):
     from kvcli.engine.decoding import solo
     from kvcli.engine.model import linear
 
-    monkeypatch.setattr(linear, "SPLIT_MIN", 1)  # the tiny models' products split too, in blocks of 64 rows
-    monkeypatch.setattr(linear, "BLOCK", 64 * 8)
+    monkeypatch.setattr(linear, "SPLIT_MIN", 1)  # the tiny models' products split too, in parts of 16 rows
+    monkeypatch.setattr(linear, "ROWS", 16)
     monkeypatch.setattr(linear, "_same_bits", {})
-    monkeypatch.setattr(solo, "split_rows_helps", lambda _model: True)  # as on two torch threads
-    monkeypatch.setattr(solo.Faster, "pick", lambda self: True)  # every step split
-    split = []
-    real = linear.split_product
-    monkeypatch.setattr(linear, "split_product", lambda *a: split.append(a[1].shape) or real(*a))
+    ways = iter([True, True, False] * 20)
+    monkeypatch.setattr(solo.Faster, "pick", lambda self: next(ways))
+    split, beside = [], []
+    real_split, real_beside = linear.split_product, linear.pool_beside
+    monkeypatch.setattr(linear, "split_product", lambda *a: split.append(a[1].shape) or real_split(*a))
+    monkeypatch.setattr(solo, "pool_beside", lambda on: beside.append(on) or real_beside(on))
     model = build(name, tokenizer)
     lm = kvcli.from_objects(model, tokenizer, name=f"tiny-{name}")
     prefill(lm, decode(sample_text()[:700].encode(), "licence.txt"), tmp_path / "doc.kv", chunk_size=56)
-    a = kvcli.Session(lm, tmp_path / "doc.kv").ask(QUESTIONS[0], kvcli.GenerationOptions(max_new_tokens=24))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite's workers run one thread (conftest): two, for the parts to spread over
+    try:
+        a = kvcli.Session(lm, tmp_path / "doc.kv").ask(QUESTIONS[0], kvcli.GenerationOptions(max_new_tokens=24))
+    finally:
+        real_beside(False)
+        torch.set_num_threads(threads)
     assert len(a.answer_token_ids) == 24 and len(set(a.answer_token_ids)) > 5
-    assert any(rows > 64 for rows, _in in split) and all(linear._same_bits.values())  # split in blocks, same bits
-    assert a.answer_token_ids == reference_answer(model, a.prompt_token_ids, 24)
-
-
-def test_steps_with_a_pool_beside_or_not_give_generates_tokens(tokenizer, tmp_path, monkeypatch):
-    """Where the kernel threads one-row products, steps alternate between the helper's OpenMP pool beside the
-    engine's and none (linear.pool_beside): the same kernels, so generate()'s tokens."""
-    from kvcli.engine.decoding import solo
-    from kvcli.engine.model import linear
-
-    monkeypatch.setattr(solo, "split_rows_helps", lambda _model: False)
-    monkeypatch.setattr(solo, "pool_beside_helps", lambda _model: True)
-    ways = iter([True, False] * 20)
-    monkeypatch.setattr(solo.Faster, "pick", lambda self: next(ways))
-    seen = []
-    real = linear.pool_beside
-    monkeypatch.setattr(solo, "pool_beside", lambda on: seen.append(on) or real(on))
-    model = build("llama", tokenizer)
-    lm = kvcli.from_objects(model, tokenizer, name="tiny-llama")
-    prefill(lm, decode(sample_text()[:700].encode(), "licence.txt"), tmp_path / "doc.kv", chunk_size=56)
-    a = kvcli.Session(lm, tmp_path / "doc.kv").ask(QUESTIONS[0], kvcli.GenerationOptions(max_new_tokens=24))
-    real(False)
-    assert len(a.answer_token_ids) == 24 and True in seen and False in seen
+    assert any(rows > 16 for rows, _in in split) and all(linear._same_bits.values())  # split in parts, same bits
+    assert True in beside and False in beside
     assert a.answer_token_ids == reference_answer(model, a.prompt_token_ids, 24)

@@ -1,9 +1,8 @@
-"""Batched steps multiply float32 linear layers weight-first (engine/model/linear.py): the same products,
-within float32 rounding, through the kernel that is faster for a few rows; one row and other dtypes untouched."""
+"""engine/model/linear.py: batched steps multiply float32 linear layers weight-first (the same products, within
+float32 rounding, through the kernel that is faster for a few rows); one row's products split into parts across
+the threads give torch's own bits; other dtypes are untouched."""
 
 from __future__ import annotations
-
-import threading
 
 import pytest
 import torch
@@ -79,28 +78,33 @@ def test_batched_forwards_run_in_the_mode(tokenizer, tmp_path, monkeypatch):
     assert [a.answer_token_ids for a in many] == [session.ask(q, opts).answer_token_ids for q in questions]
 
 
-def _split(monkeypatch, block: int = 1000):
-    monkeypatch.setattr(linear, "SPLIT_MIN", 1)  # every one-row product splits, in blocks of `block` weight elements
-    monkeypatch.setattr(linear, "BLOCK", block)
+def _split(monkeypatch):
+    monkeypatch.setattr(linear, "SPLIT_MIN", 1)  # every one-row product whose rows cut into parts splits
     monkeypatch.setattr(linear, "_same_bits", {})  # no shape checked yet
 
 
 @pytest.fixture
-def one_thread():
-    """One torch thread, as split_rows_helps requires of the kernel (a one-row product on one core): then the
-    ROWS-aligned blocks give linear's bits. Where the kernel threads a one-row product they may not, and the
-    per-shape check leaves the shape unsplit (test_a_shape_whose_split_gives_other_bits_stays_unsplit)."""
+def two_threads():
+    """Two torch threads (the suite's workers run one: conftest), for the parts to spread over."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(2)
     yield
     torch.set_num_threads(threads)
 
 
-def test_one_row_split_across_two_threads_gives_the_linear_bits(monkeypatch, one_thread):
+def test_rows_are_cut_into_the_evenest_parts_of_whole_blocks():
+    assert [linear.parts(n, 2) for n in (576, 192, 1536, 49152, 128)] == [9, 3, 2, 2, 2]
+    assert linear.parts(576, 4) == 3 and linear.parts(1536, 4) == 4 and linear.parts(1536, 3) == 3
+    assert [linear.parts(n, 2) for n in (64, 100, 577)] == [1, 1, 1]  # one block, or rows off the blocks: no cut
+    assert linear.parts(1536, 1) == 1
+    assert linear.parts(96, 2, rows=32) == 3
+
+
+def test_one_row_split_across_threads_gives_the_linear_bits(monkeypatch, two_threads):
     _split(monkeypatch)
     g = torch.Generator().manual_seed(1)
-    for out_features, in_features, bias, lead in [(577, 96, False, (1,)), (1000, 64, True, (1, 1)), (49, 300, True, ()),
-                                                  (3, 40, False, (1, 1, 1))]:
+    for out_features, in_features, bias, lead in [(576, 96, False, (1,)), (1024, 64, True, (1, 1)), (192, 300, True, ()),
+                                                  (128, 40, False, (1, 1, 1))]:
         w = torch.randn(out_features, in_features, generator=g)
         b = torch.randn(out_features, generator=g) if bias else None
         x = torch.randn(*lead, in_features, generator=g)
@@ -109,112 +113,50 @@ def test_one_row_split_across_two_threads_gives_the_linear_bits(monkeypatch, one
             first = torch.nn.functional.linear(x, w, b)  # split, and checked against the whole product once
         with torch.inference_mode(), _Calls() as calls, linear.split_rows():
             got = torch.nn.functional.linear(x, w, b)
-        assert ("addmm" if bias else "mm") in calls.names and "linear" not in calls.names
+        assert ("baddbmm" if bias else "bmm") in calls.names and "linear" not in calls.names
         assert got.shape == want.shape and torch.equal(got, want) and torch.equal(first, want)
-    assert all(linear._same_bits.values())
+    assert len(linear._same_bits) == 4 and all(linear._same_bits.values())
 
 
-def test_a_shape_whose_split_gives_other_bits_stays_unsplit(monkeypatch):
+def test_a_shape_whose_split_gives_other_bits_stays_unsplit(monkeypatch, two_threads):
     _split(monkeypatch)
-    w, x = torch.randn(80, 48), torch.randn(1, 48)
-    monkeypatch.setattr(linear, "split_product", lambda x, w, b: torch.nn.functional.linear(x, w, b) + 1e-6)
+    w, x = torch.randn(128, 48), torch.randn(1, 48)
+    monkeypatch.setattr(linear, "split_product", lambda x, w, b, cut: torch.nn.functional.linear(x, w, b) + 1e-6)
     want = torch.nn.functional.linear(x, w)
     for _ in range(2):
         with torch.inference_mode(), linear.split_rows():
             assert torch.equal(torch.nn.functional.linear(x, w), want)
-    assert linear._same_bits == {((80, 48), False): False}
+    assert linear._same_bits == {((128, 48), False): False}
 
 
-def test_split_rows_leaves_other_products_to_torch(monkeypatch):
+def test_split_rows_leaves_other_products_to_torch(monkeypatch, two_threads):
     _split(monkeypatch)
-    w = torch.randn(80, 48)
+    w = torch.randn(128, 48)
     cases = [(torch.randn(2, 48), w, True), (torch.randn(1, 48).bfloat16(), w.bfloat16(), True),
-             (torch.randn(1, 48), w, False), (torch.randn(1, 48), w.T.contiguous().T, True)]
+             (torch.randn(1, 48), w, False), (torch.randn(1, 48), w.T.contiguous().T, True),
+             (torch.randn(1, 48), torch.randn(100, 48), True)]  # rows that cut into no whole blocks
     for x, weight, inference in cases:
         with torch.inference_mode(inference), _Calls() as calls, linear.split_rows():
             y = torch.nn.functional.linear(x, weight)
-        assert calls.names.count("linear") == 1 and "mm" not in calls.names
+        assert calls.names.count("linear") == 1 and "bmm" not in calls.names
         assert torch.equal(y, torch.nn.functional.linear(x, weight))
-    monkeypatch.setattr(linear, "SPLIT_MIN", 80 * 48 + 1)  # a weight below SPLIT_MIN
+    monkeypatch.setattr(linear, "SPLIT_MIN", 128 * 48 + 1)  # a weight below SPLIT_MIN
     with torch.inference_mode(), _Calls() as calls, linear.split_rows():
         torch.nn.functional.linear(torch.randn(1, 48), w)
-    assert calls.names.count("linear") == 1 and "mm" not in calls.names
+    assert calls.names.count("linear") == 1 and "bmm" not in calls.names
+    torch.set_num_threads(1)  # one thread: nothing to spread the parts over
+    with torch.inference_mode(), _Calls() as calls, linear.split_rows():
+        torch.nn.functional.linear(torch.randn(1, 48), w)
+    assert calls.names.count("linear") == 1 and "bmm" not in calls.names
 
 
-class _Helper:
-    """A stand-in for the helper thread: runs each job in a thread of its own after `start` (None: never)."""
-
-    def __init__(self, start):
-        self.start, self.threads = start, []
-        self.jobs = self
-
-    def put(self, job):
-        if self.start is not None:
-            self.threads.append(threading.Thread(target=lambda: (self.start.wait(), job())))
-            self.threads[-1].start()
-
-
-class _SlowInHelper:
-    """linear's torch, whose mm stalls in the helper's thread until `release` (a helper preempted inside a
-    block); the caller's first mm waits until the helper is inside its block."""
-
-    def __init__(self, release):
-        self.release, self.inside, self.helper_calls = release, threading.Event(), 0
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def mm(self, *args, **kwargs):
-        if threading.current_thread() is not threading.main_thread():
-            self.helper_calls += 1
-            self.inside.set()
-            self.release.wait(30)
-        else:
-            self.inside.wait(30)
-        return torch.mm(*args, **kwargs)
-
-
-def test_a_helper_that_never_runs_starts_late_or_stalls_leaves_its_blocks_to_the_caller(monkeypatch, one_thread):
-    _split(monkeypatch)
-    w, x = torch.randn(700, 50), torch.randn(1, 50)
-    want = torch.nn.functional.linear(x, w)
-    with torch.inference_mode():
-        monkeypatch.setattr(linear, "_the_helper", lambda: _Helper(None))
-        assert torch.equal(linear.split_product(x, w, None), want)
-
-        late = _Helper(threading.Event())  # starts once the caller has returned: finds no block left
-        monkeypatch.setattr(linear, "_the_helper", lambda: late)
-        got = linear.split_product(x, w, None)
-        late.start.set()
-        late.threads[0].join()
-        assert torch.equal(got, want)
-
-        started, release = threading.Event(), threading.Event()
-        stalled = _Helper(started)
-        slow = _SlowInHelper(release)
-        monkeypatch.setattr(linear, "_the_helper", lambda: stalled)
-        monkeypatch.setattr(linear, "torch", slow)
-        started.set()  # the helper claims a block and stalls in it until the caller has returned
-        got = linear.split_product(x, w, None)
-        release.set()
-        stalled.threads[0].join()
-    assert slow.helper_calls == 1 and torch.equal(got, want)  # its late block was computed by the caller, not copied over
-
-
-def test_no_product_is_split_where_the_kernel_threads_a_one_row_product(monkeypatch):
-    """A new thread after the helper's first product is an OpenMP pool of its own: one too many beside the
-    engine's, so split_rows is not used, and found once per process."""
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+def test_split_rows_and_the_pool_beside_apply_to_float32_models_on_several_threads(tokenizer, monkeypatch):
+    model = tiny_llama(len(tokenizer))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    for threads_after, helps in ((1, True), (2, False)):
-        counts = iter([10, 10 + threads_after - 1])  # before the probe, after it
-        monkeypatch.setattr(linear, "_one_core", None)
-        monkeypatch.setattr(linear, "_threads", lambda: next(counts))
-        released = []
-        monkeypatch.setattr(linear.openmp, "release", lambda: released.append(True))
-        assert linear.split_rows_helps(model) is helps
-        assert linear.split_rows_helps(model) is helps  # found once: _threads is not read again
-        assert released == ([] if helps else [True])
+    assert linear.split_rows_helps(model) and linear.pool_beside_helps(model)
+    assert not linear.split_rows_helps(model.to(torch.bfloat16)) and linear.pool_beside_helps(model)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert not linear.split_rows_helps(model) and not linear.pool_beside_helps(model)
 
 
 def test_the_pool_beside_is_made_once_and_given_back_once(monkeypatch):

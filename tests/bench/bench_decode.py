@@ -9,8 +9,9 @@ Session.ask (the engine thread, the lone row on the document's cache) and of tra
 given a DynamicCache of the same document (its own cache, which concatenates every layer's keys/values
 at each step), the same greedy question; medians of --rounds, the ratio, and whether the tokens agree.
 --busy N starts N busy-looping processes for the measurement (and stops them). --profile times steady
-one-row decode steps (OneRowDecoder in this thread: as shipped, with every product split across two cores
-and with none, engine/model/linear.py), lists torch.profiler's top ops by self CPU time, and
+one-row decode steps (OneRowDecoder in this thread: as shipped, with the OpenMP workers spinning and every
+float32 product split across the cores, and with them sleeping and no product split; engine/decoding/solo.py),
+lists torch.profiler's top ops by self CPU time, and
 times the one-row products of the step's shapes alone at 1 and 2 torch threads. Prints the CPU, its
 flags, the thread count and the load average before and after. With no --cache the sample document is
 prefilled into tests/bench/.bench-decode/ (reused by later runs).
@@ -94,17 +95,17 @@ def main() -> None:
         d.step()  # the question's own ids
         for _ in range(3):
             d.step()
-        chooser, steps = getattr(d, "split", None), {"as shipped": [], "split": [], "unsplit": []}
+        chooser, steps = d.ways, {"as shipped": [], "spin, split": [], "sleep, unsplit": []}
 
         class Fixed:  # one way every step, in place of the decoder's chooser
             def __init__(self, way):
                 self.pick, self.record = (lambda: way), (lambda *_: None)
 
-        for _ in range(3):  # as shipped (split_rows when faster), always split, never split; taking turns
-            for way, fixed in (("as shipped", chooser), ("split", Fixed(True)), ("unsplit", Fixed(False))):
-                d.split = fixed if chooser is not None else None
+        for _ in range(3):  # as shipped (the faster way), always spin and split, always sleep unsplit; taking turns
+            for way, fixed in (("as shipped", chooser), ("spin, split", Fixed(True)), ("sleep, unsplit", Fixed(False))):
+                d.ways = fixed if chooser is not None else None
                 steps[way].append(median_ms(d.step, args.steps))
-        d.split = chooser
+        d.ways = chooser
         result["step_ms"] = {k: round(statistics.median(v), 1) for k, v in steps.items()}
         from torch.profiler import ProfilerActivity, profile
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from .batch import BatchDecoder
 from .protocol import Row
-from .solo import OneRowDecoder
+from .solo import Faster, OneRowDecoder
 from ..cache.kvcache import FullLayer
 
 
@@ -23,9 +23,10 @@ class LoneOrBatchDecoder:
     """engine/decoding/protocol.py's Decoder over a OneRowDecoder for a lone row and a BatchDecoder, made anew
     each time a second row arrives."""
 
-    def __init__(self, model: Any, cache: Any, *, width: int, eos: set[int], pad_id: int, length: int | None = None):
+    def __init__(self, model: Any, cache: Any, *, width: int, eos: set[int], pad_id: int, length: int | None = None,
+                 ways: Faster | None = None):
         self.model, self.kv, self.width, self.eos, self.pad_id, self.length = model, cache, width, eos, pad_id, length
-        self.solo = OneRowDecoder(model, cache, eos=eos, length=length)
+        self.solo = OneRowDecoder(model, cache, eos=eos, length=length, ways=ways)
         self.batch: BatchDecoder | None = None
         self.incoming: list[Row] = []
         self.last_rows = 0

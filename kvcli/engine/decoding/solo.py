@@ -3,10 +3,12 @@
 For a model whose batched (cascade) path was not proven exact when it loaded (engine/scheduling/probe.py), the
 engine decodes each document's rows through this one at a time: the same rows, choosers, streams and
 counts as engine/decoding/batch.py's BatchDecoder, on the Session's KVCache (rewound to the document after each
-row, so nothing is copied), with the attention kernels plain generate() would use. A one-row step may run its
-float32 products split across two cores (engine/model/linear.py, the same bits), whenever its steps measure
-faster that way (Faster); where torch's kernel threads one-row products itself, a step chooses the same way
-whether the engine's OpenMP workers spin or sleep between regions (linear.pool_beside: the same bits).
+row, so nothing is copied), with the attention kernels plain generate() would use. A one-row step on several
+torch threads runs one of two ways, whichever its steps measure faster (Faster): the engine's OpenMP workers
+spin between parallel regions and float32 products are split across the cores (engine/model/linear.py), or the
+workers sleep (linear.pool_beside) and each product runs as torch runs it. Spinning wins on idle cores;
+sleeping wins beside busy processes, where a spinning worker waits for a peer the OS has not scheduled. Both
+ways give the same bits.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ class OneRowDecoder(RowQueue):
     """engine/decoding/protocol.py's Decoder for one row at a time on `cache` (engine/cache/kvcache.KVCache),
     rewound to the document whenever a row leaves."""
 
-    def __init__(self, model: Any, cache: Any, *, eos: set[int], length: int | None = None):
+    def __init__(self, model: Any, cache: Any, *, eos: set[int], length: int | None = None, ways: Faster | None = None):
         super().__init__(model, cache.states(), eos, length)
         self.cache = cache
         self.device = model.device
         self._keep = {"logits_to_keep": 1} if self.keeps_logits else {}  # the lm head at the last id only
-        self.split = Faster() if split_rows_helps(model) else None  # one-row float32 products on two cores
-        self.beside = Faster(every=16) if self.split is None and pool_beside_helps(model) else None  # workers spin or sleep
+        self.split = split_rows_helps(model)  # float32 products that split_rows can cut
+        # True: workers spin (products split), False: they sleep; `ways` carries the times over from earlier rows
+        self.ways = (ways or Faster()) if pool_beside_helps(model) else None
 
     def _leave(self, row: Row) -> None:
         self.cache.rewind()
@@ -53,16 +56,15 @@ class OneRowDecoder(RowQueue):
             # every position so far, as generate() passes it: prompt + answer ids
             mask = torch.ones((1, len(row.prompt) + len(row.answer)), dtype=torch.long, device=self.device)
             try:
-                chooser = (self.split or self.beside) if len(ids) == 1 else None
-                way = chooser.pick() if chooser is not None else None
-                if self.beside is not None and way is not None:
-                    pool_beside(way)
+                way = self.ways.pick() if self.ways is not None and len(ids) == 1 else None
+                if way is not None:
+                    pool_beside(not way)
                 t0 = time.perf_counter()
-                with split_rows(bool(way) and self.split is not None):
+                with split_rows(bool(way) and self.split):
                     out = self.model(input_ids=input_ids, attention_mask=mask, cache=self.cache, use_cache=True,
                                      **self._keep)
-                if chooser is not None:
-                    chooser.record(way, time.perf_counter() - t0)
+                if way is not None:
+                    self.ways.record(way, time.perf_counter() - t0)
             except BaseException:  # the row stays held (waiting again, or active) for the caller to drop
                 self.cache.rewind()
                 if ids is row.appended:
@@ -80,7 +82,7 @@ class Faster:
     lower median of its last few steps, the other tried again every `every` steps (a machine that gets busy
     or quiet changes the answer). Both ways give the same bits, so the choice never changes an answer."""
 
-    def __init__(self, every: int = 8, keep: int = 5):
+    def __init__(self, every: int = 16, keep: int = 5):
         self.every, self.keep = every, keep
         self.times: dict[bool, list[float]] = {True: [], False: []}
         self.steps = 0

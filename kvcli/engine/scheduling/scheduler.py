@@ -23,7 +23,7 @@ from ..decoding import batch, questions as qs
 from ..decoding.request import DEFAULT_BATCH as DEFAULT_WIDTH
 from ..decoding.lone import LoneOrBatchDecoder
 from ..decoding.protocol import Decoder
-from ..decoding.solo import OneRowDecoder
+from ..decoding.solo import Faster, OneRowDecoder
 from . import openmp
 from .requests import Answered, Cancelled, Done, EngineClosed, Failed, Text  # noqa: F401  (the request API's names)
 
@@ -160,6 +160,7 @@ class Engine:
         self._closed = False
         self._inside = threading.local()  # set in the engine thread and in a granted turn: turns nest
         self.asked = self.steps = self.peak_rows = 0
+        self._ways = Faster()  # how one-row steps run fastest here, measured across every row of this model
 
     # ---- what askers call
     @property
@@ -286,9 +287,10 @@ class Engine:
     def _decoder(self, session: Any, width: int) -> Decoder:
         length = len(session.token_ids)
         if width == 1 or not self.batched:  # rows one at a time, on the model's own attention
-            return OneRowDecoder(self.lm.model, session.cache, eos=self.eos, length=length)
+            return OneRowDecoder(self.lm.model, session.cache, eos=self.eos, length=length, ways=self._ways)
         if LoneOrBatchDecoder.suits(session.cache):  # a lone row on the model's own attention; joined, batched
-            return LoneOrBatchDecoder(self.lm.model, session.cache, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
+            return LoneOrBatchDecoder(self.lm.model, session.cache, width=width, eos=self.eos, pad_id=self.pad_id,
+                                      length=length, ways=self._ways)
         return batch.BatchDecoder(self.lm.model, session.states, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
 
     def _take_in(self) -> tuple[list[tuple[Any, Decoder]], _Turn | None]:
