@@ -100,6 +100,14 @@ def test_rows_are_cut_into_the_evenest_parts_of_whole_blocks():
     assert linear.parts(96, 2, rows=32) == 3
 
 
+def _layer(weight: torch.Tensor, bias: torch.Tensor | None = None) -> linear.SplitLinear:
+    plain = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+    plain.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        plain.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return linear.SplitLinear(plain)
+
+
 def test_one_row_split_across_threads_gives_the_linear_bits(monkeypatch, two_threads):
     _split(monkeypatch)
     g = torch.Generator().manual_seed(1)
@@ -108,11 +116,12 @@ def test_one_row_split_across_threads_gives_the_linear_bits(monkeypatch, two_thr
         w = torch.randn(out_features, in_features, generator=g)
         b = torch.randn(out_features, generator=g) if bias else None
         x = torch.randn(*lead, in_features, generator=g)
+        layer = _layer(w, b)
         want = torch.nn.functional.linear(x, w, b)
         with torch.inference_mode(), linear.split_rows():
-            first = torch.nn.functional.linear(x, w, b)  # split, and checked against the whole product once
+            first = layer(x)  # split, and checked against the whole product once
         with torch.inference_mode(), _Calls() as calls, linear.split_rows():
-            got = torch.nn.functional.linear(x, w, b)
+            got = layer(x)
         assert ("baddbmm" if bias else "bmm") in calls.names and "linear" not in calls.names
         assert got.shape == want.shape and torch.equal(got, want) and torch.equal(first, want)
     assert len(linear._same_bits) == 4 and all(linear._same_bits.values())
@@ -125,38 +134,52 @@ def test_a_shape_whose_split_gives_other_bits_stays_unsplit(monkeypatch, two_thr
     want = torch.nn.functional.linear(x, w)
     for _ in range(2):
         with torch.inference_mode(), linear.split_rows():
-            assert torch.equal(torch.nn.functional.linear(x, w), want)
+            assert torch.equal(_layer(w)(x), want)
     assert linear._same_bits == {((128, 48), False): False}
 
 
 def test_split_rows_leaves_other_products_to_torch(monkeypatch, two_threads):
     _split(monkeypatch)
     w = torch.randn(128, 48)
-    cases = [(torch.randn(2, 48), w, True), (torch.randn(1, 48).bfloat16(), w.bfloat16(), True),
-             (torch.randn(1, 48), w, False), (torch.randn(1, 48), w.T.contiguous().T, True),
-             (torch.randn(1, 48), torch.randn(100, 48), True)]  # rows that cut into no whole blocks
-    for x, weight, inference in cases:
-        with torch.inference_mode(inference), _Calls() as calls, linear.split_rows():
-            y = torch.nn.functional.linear(x, weight)
+    cases = [(torch.randn(2, 48), w, True, True), (torch.randn(1, 48).bfloat16(), w.bfloat16(), True, True),
+             (torch.randn(1, 48), w, False, True), (torch.randn(1, 48), w.T.contiguous().T, True, True),
+             (torch.randn(1, 48), torch.randn(100, 48), True, True),  # rows that cut into no whole blocks
+             (torch.randn(1, 48), w, True, False)]  # outside split_rows
+    for x, weight, inference, inside in cases:
+        with torch.inference_mode(inference), _Calls() as calls, linear.split_rows(inside):
+            y = _layer(weight)(x)
         assert calls.names.count("linear") == 1 and "bmm" not in calls.names
         assert torch.equal(y, torch.nn.functional.linear(x, weight))
     monkeypatch.setattr(linear, "SPLIT_MIN", 128 * 48 + 1)  # a weight below SPLIT_MIN
     with torch.inference_mode(), _Calls() as calls, linear.split_rows():
-        torch.nn.functional.linear(torch.randn(1, 48), w)
+        _layer(w)(torch.randn(1, 48))
     assert calls.names.count("linear") == 1 and "bmm" not in calls.names
     torch.set_num_threads(1)  # one thread: nothing to spread the parts over
     with torch.inference_mode(), _Calls() as calls, linear.split_rows():
-        torch.nn.functional.linear(torch.randn(1, 48), w)
+        _layer(w)(torch.randn(1, 48))
     assert calls.names.count("linear") == 1 and "bmm" not in calls.names
 
 
-def test_split_rows_and_the_pool_beside_apply_to_float32_models_on_several_threads(tokenizer, monkeypatch):
+def test_split_linears_share_the_parameters_and_apply_to_float32_models_on_several_threads(tokenizer, monkeypatch):
     model = tiny_llama(len(tokenizer))
+    before = dict(model.named_parameters())
+    x = torch.randint(0, len(tokenizer), (1, 12))
+    with torch.inference_mode():
+        want = model(x).logits
+    linear.use_split_linears(model)
+    kinds = {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds == {linear.SplitLinear}
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == {n: p.data_ptr() for n, p in before.items()}
+    with torch.inference_mode():
+        assert torch.equal(model(x).logits, want)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert linear.split_rows_helps(model) and linear.pool_beside_helps(model)
-    assert not linear.split_rows_helps(model.to(torch.bfloat16)) and linear.pool_beside_helps(model)
+    assert not linear.split_rows_helps(tiny_llama(len(tokenizer))) and linear.pool_beside_helps(model)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert not linear.split_rows_helps(model) and not linear.pool_beside_helps(model)
+    bf16 = tiny_llama(len(tokenizer)).to(torch.bfloat16)
+    linear.use_split_linears(bf16)
+    assert not any(isinstance(m, linear.SplitLinear) for m in bf16.modules())
 
 
 def test_the_pool_beside_is_made_once_and_given_back_once(monkeypatch):

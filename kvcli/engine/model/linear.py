@@ -1,4 +1,4 @@
-"""Linear layers of a decoding step: weight-first for a few float32 rows, split across two cores for one.
+"""Linear layers of a decoding step: weight-first for a few float32 rows, split across the cores for one.
 
 Weight-first: W [out, in] @ x^T, for a few float32 rows.
 torch's `linear` of a few rows (x @ W^T) can run well below the same product with the weight as the left
@@ -8,11 +8,11 @@ kernel, which gives every row the bits a recompute gives it, while batched rows 
 anyway (engine/scheduling/probe.py).
 
 Split rows: torch's `linear` of one float32 row (MKL's sgemv) runs on one core whatever the thread count on
-some CPUs (AMD EPYC, for one); on others (Intel Xeon, for one) MKL threads it itself, and split_rows_helps says no.
-Each output element is one dot product, computed the same way in parts of the weight's rows that start at a
-multiple of a few rows (MKL's kernel takes 4 at a time; parts of 1 or 11 rows give other bits), so within
-split_rows() a one-row product runs as one `bmm` over equal ROWS-aligned parts of the weight, which torch
-spreads over its threads in native code (no Python between the parts). The first product of each shape is
+some CPUs (AMD EPYC, for one); on others (Intel Xeon, for one) MKL threads it itself. Each output element is
+one dot product, computed the same way in parts of the weight's rows that start at a multiple of a few rows
+(MKL's kernel takes 4 at a time; parts of 1 or 11 rows give other bits), so within split_rows() a SplitLinear
+layer's one-row product runs as one `bmm` over equal ROWS-aligned parts of the weight, which torch spreads
+over its threads in native code (no Python between the parts). The first product of each shape is
 also computed whole and compared: a kernel that gives other bits split leaves that shape unsplit
 (tests/test_linear.py). The parts are assigned, so a core taken by another process slows the product down;
 engine/decoding/solo.py then measures the unsplit step faster and takes it.
@@ -23,7 +23,9 @@ from __future__ import annotations
 import functools
 import queue
 import threading
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -65,7 +67,7 @@ def weight_first(enabled: bool = True) -> WeightFirst | nullcontext:
 def weight_first_helps(model: Any) -> bool:
     """Whether `model` has float32 linear layers on the CPU, the only ones the mode changes (a q4 model has none:
     its layers multiply 4-bit codes, engine/model/stored.py), so that other models skip the mode's per-call cost."""
-    return any(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    return any(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
                for m in model.modules())
 
 
@@ -124,33 +126,55 @@ def split_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 _same_bits: dict[tuple, bool] = {}  # (weight shape, bias or not) -> split_product gave linear's bits
 
 
-class SplitRows(TorchFunctionMode):
-    """Within this mode (and inference mode), `linear` of one float32 row on the CPU with a weight of SPLIT_MIN
-    elements or more, whose rows cut into parts, runs as split_product; everything else as usual."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is _LINEAR and len(args) >= 2:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.dim() == 2
-                    and x.numel() == x.shape[-1] and weight.numel() >= SPLIT_MIN and weight.is_contiguous()
-                    and torch.is_inference_mode_enabled()
-                    and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1))):
-                shape = (tuple(weight.shape), bias is not None)
-                cut = parts(weight.shape[0], torch.get_num_threads(), ROWS)
-                if cut > 1 and _same_bits.get(shape, True):
-                    y = split_product(x, weight, bias, cut)
-                    if shape not in _same_bits:
-                        _same_bits[shape] = torch.equal(y, func(*args, **kwargs))
-                    if _same_bits[shape]:
-                        return y
-        return func(*args, **kwargs)
+_SPLIT: ContextVar[bool] = ContextVar("kvcli_split_rows", default=False)  # this thread's one-row pass splits
 
 
-def split_rows(enabled: bool = True) -> SplitRows | nullcontext:
-    """The mode, for a `with` block around one one-row forward pass (a no-op when not enabled)."""
-    return SplitRows() if enabled else nullcontext()
+class SplitLinear(torch.nn.Linear):
+    """A torch Linear holding another's parameters (the same tensors: tied weights stay tied), whose product of one
+    float32 row on the CPU runs as split_product inside split_rows(), when the weight has SPLIT_MIN elements or
+    more and its rows cut into parts; everything else exactly as torch.nn.Linear. A module of its own rather than
+    a TorchFunctionMode: a mode sees every torch call of the forward pass, about 2,300 a step of the default
+    model, and costs more than the split gains (tests/bench/bench_decode.py --profile)."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        weight, bias = self.weight, self.bias
+        if (_SPLIT.get() and x.numel() == x.shape[-1] and x.dtype == weight.dtype == torch.float32
+                and x.device.type == "cpu" and weight.numel() >= SPLIT_MIN and weight.is_contiguous()
+                and torch.is_inference_mode_enabled() and (bias is None or bias.dtype == torch.float32)):
+            shape = (tuple(weight.shape), bias is not None)
+            cut = parts(weight.shape[0], torch.get_num_threads(), ROWS)
+            if cut > 1 and _same_bits.get(shape, True):
+                y = split_product(x, weight, bias, cut)
+                if shape not in _same_bits:
+                    _same_bits[shape] = torch.equal(y, _LINEAR(x, weight, bias))
+                if _same_bits[shape]:
+                    return y
+        return _LINEAR(x, weight, bias)
+
+
+def use_split_linears(model: Any) -> None:
+    """Make every float32 torch Linear of `model` on the CPU a SplitLinear over the same parameters, in place: no
+    product changes until a one-row pass runs inside split_rows()."""
+    for name, module in list(model.named_modules()):
+        if (type(module) is torch.nn.Linear and module.weight.dtype == torch.float32
+                and module.weight.device.type == "cpu"):
+            model.set_submodule(name, SplitLinear(module))
+
+
+@contextmanager
+def split_rows(enabled: bool = True) -> Iterator[None]:
+    """Within this block (this thread only), the one-row products of SplitLinear layers split (when enabled)."""
+    token = _SPLIT.set(enabled)
+    try:
+        yield
+    finally:
+        _SPLIT.reset(token)
 
 
 def _open_pool() -> None:
@@ -168,9 +192,9 @@ def _in_helper(job, timeout: float) -> None:
 
 
 def split_rows_helps(model: Any) -> bool:
-    """Whether one-row steps of `model` can run split_rows: float32 linear layers on the CPU and two torch threads
-    or more to spread their parts over."""
-    return torch.get_num_threads() >= 2 and weight_first_helps(model)
+    """Whether one-row steps of `model` can run split_rows: SplitLinear layers (use_split_linears) and two torch
+    threads or more to spread their parts over."""
+    return torch.get_num_threads() >= 2 and any(isinstance(m, SplitLinear) for m in model.modules())
 
 
 _pool_on = False  # the helper holds an OpenMP pool of its own

@@ -314,7 +314,7 @@ def load(
     "q8" or "q4" (engine/model/stored.py); None takes the source's own (a cache's recorded source)."""
     source = dict(source) if source is not None else resolve(model, revision=revision)
     args = hub.load_args(source)  # before torch is imported
-    from . import attention, stored
+    from . import attention, linear, stored
     from .paging import page_in
     from ..cache import layers
 
@@ -338,6 +338,7 @@ def load(
         gguf = source["kind"] in ("default", "gguf")  # q4 then runs the file's own 4-bit codes
         stored.use(lm, mode, Path(source["path"]) if gguf else None, gguf_folders(source["sha256"])[0] if gguf else None)
         source["weights"] = fp["weights"] = mode
+    linear.use_split_linears(lm)
     page_in(lm)
     return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fp)
 
@@ -360,11 +361,14 @@ def from_objects(model: Any, tokenizer: Any, *, name: str = "in-memory") -> Load
     """Wrap an already loaded transformers model and tokenizer (tests, notebooks).
 
     On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/model/attention.py):
-    same tokens, no key/value heads repeated; `model.set_attn_implementation("sdpa")` switches it back."""
-    from . import attention
+    same tokens, no key/value heads repeated; `model.set_attn_implementation("sdpa")` switches it back. Its float32
+    linear layers become engine/model/linear.py's SplitLinear over the same parameters (the same products, which
+    one-row decoding steps may split across the cores)."""
+    from . import attention, linear
     from ..cache import layers
 
     layers.plan(model.config)
     model.eval()
     attention.select(model)
+    linear.use_split_linears(model)
     return LoadedModel(model=model, tokenizer=tokenizer, source={"kind": "object", "name": name}, fingerprint=fingerprint(model, tokenizer))
