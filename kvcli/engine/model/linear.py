@@ -76,8 +76,8 @@ ROWS = 64  # every part starts at a multiple of this many rows
 
 
 class _Helper:
-    """One daemon thread running the jobs handed to it, in order: it probes how torch's kernel threads a one-row
-    product and holds the OpenMP pool of pool_beside (engine/scheduling/openmp.py)."""
+    """One daemon thread running the jobs handed to it, in order: it holds the OpenMP pool of pool_beside
+    (engine/scheduling/openmp.py)."""
 
     def __init__(self):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -134,7 +134,7 @@ class SplitLinear(torch.nn.Linear):
     float32 row on the CPU runs as split_product inside split_rows(), when the weight has SPLIT_MIN elements or
     more and its rows cut into parts; everything else exactly as torch.nn.Linear. A module of its own rather than
     a TorchFunctionMode: a mode sees every torch call of the forward pass, about 2,300 a step of the default
-    model, and costs more than the split gains (tests/bench/bench_decode.py --profile)."""
+    model, and costs more than the split gains (docs/performance.md, "One question's decode")."""
 
     def __init__(self, linear: torch.nn.Linear):
         torch.nn.Module.__init__(self)
