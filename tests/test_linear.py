@@ -161,14 +161,14 @@ def test_split_rows_leaves_other_products_to_torch(monkeypatch, two_threads):
 
 
 def test_split_linears_share_the_parameters_and_apply_to_float32_models_on_several_threads(tokenizer, monkeypatch):
-    model = tiny_llama(len(tokenizer))
+    model = tiny_llama(len(tokenizer)).eval()
     before = dict(model.named_parameters())
     x = torch.randint(0, len(tokenizer), (1, 12))
     with torch.inference_mode():
         want = model(x).logits
     linear.use_split_linears(model)
     kinds = {type(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    assert kinds == {linear.SplitLinear}
+    assert kinds == {linear.SplitLinear} and not any(m.training for m in model.modules())
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == {n: p.data_ptr() for n, p in before.items()}
     with torch.inference_mode():
         assert torch.equal(model(x).logits, want)

@@ -141,6 +141,7 @@ class SplitLinear(torch.nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.register_parameter("bias", linear.bias)
+        self.train(linear.training)  # an eval() model stays in eval mode throughout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         weight, bias = self.weight, self.bias
