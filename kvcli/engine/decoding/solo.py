@@ -78,22 +78,55 @@ class OneRowDecoder(RowQueue):
 
 
 class Faster:
-    """Which of two ways of running a step is faster here and now, by the steps' own times: the way with the
-    lower median of its last few steps, the other tried again every `every` steps (a machine that gets busy
-    or quiet changes the answer). Both ways give the same bits, so the choice never changes an answer."""
+    """Which of two ways of running a step is faster here and now, by the steps' own times (both give the same
+    bits, so the choice never changes an answer). Each way is tried once, then the way with the lower median of
+    its last few steps runs, and the other is tried again now and then: first after `every` steps, each time it
+    loses again after twice as many, up to `most` (a try costs one slow step, so a machine that stays as it is
+    pays for few of them). A running step that takes `jump` times the way's median (the machine got busier)
+    has the other tried at the next step, against that step's time. A try that wins takes over at once (the
+    older times are of another state of the machine), and the next try comes after `every` steps again."""
 
-    def __init__(self, every: int = 16, keep: int = 5):
-        self.every, self.keep = every, keep
-        self.times: dict[bool, list[float]] = {True: [], False: []}
+    def __init__(self, every: int = 16, most: int = 256, keep: int = 5, jump: float = 1.5):
+        self.every, self.most, self.keep, self.jump = every, most, keep, jump
+        self.times: dict[bool, list[float]] = {True: [], False: []}  # way -> its last `keep` step times, s
         self.steps = 0
+        self.gap = every  # steps from a try of the other way to the next
+        self.due = 0  # the step at which the other way is tried next
+        self.jumped = False  # the running way's last step was a jump: the next try is held against it
+
+    def _median(self, way: bool) -> float:
+        times = sorted(self.times[way])
+        return times[len(times) // 2]
+
+    def best(self) -> bool:
+        return min(self.times, key=self._median)
 
     def pick(self) -> bool:
         self.steps += 1
         for way in (True, False):
             if not self.times[way]:
                 return way
-        best = min(self.times, key=lambda w: sorted(self.times[w])[len(self.times[w]) // 2])
-        return (not best) if self.steps % self.every == 0 else best
+        best = self.best()
+        return (not best) if self.steps >= self.due else best
 
     def record(self, way: bool, seconds: float) -> None:
-        self.times[way] = (self.times[way] + [seconds])[-self.keep:]
+        if not self.times[way] or not self.times[not way]:  # a way's first time: nothing to compare yet
+            self.times[way].append(seconds)
+            self.due = self.steps + self.every
+            return
+        running = self.best()
+        if way == running:
+            self.jumped = seconds > self.jump * self._median(way)
+            if self.jumped:
+                self.due, self.gap = self.steps + 1, self.every
+            self.times[way] = (self.times[way] + [seconds])[-self.keep:]
+            return
+        now = self.times[running][-1] if self.jumped else self._median(running)
+        if seconds < now:  # the try won
+            self.times[way], self.gap = [seconds], self.every
+            if self.jumped:
+                self.times[running] = [now]
+        else:
+            self.times[way] = (self.times[way] + [seconds])[-self.keep:]
+            self.gap = min(2 * self.gap, self.most)
+        self.due, self.jumped = self.steps + self.gap, False

@@ -1,0 +1,55 @@
+"""solo.Faster: which way a one-row step runs (spinning and split, or sleeping and whole), by the steps' own times."""
+
+from __future__ import annotations
+
+from kvcli.engine.decoding.solo import Faster
+
+
+def run(ways: Faster, steps: int, time_of) -> list[bool]:
+    """Picks of `steps` steps, each recorded with time_of(way, step)."""
+    picked = []
+    for i in range(steps):
+        way = ways.pick()
+        picked.append(way)
+        ways.record(way, time_of(way, i))
+    return picked
+
+
+def tries(picked: list[bool], best: bool) -> list[int]:
+    return [i + 1 for i, way in enumerate(picked) if way != best]
+
+
+def test_each_way_once_then_the_faster_and_the_other_tried_ever_less_often():
+    ways = Faster(every=4, most=16)
+    picked = run(ways, 60, lambda way, _i: 0.07 if way else 0.10)
+    assert picked[:2] == [True, False]
+    assert tries(picked, True) == [2, 6, 14, 30, 46]  # gaps 4, 8, 16, then at most 16
+    assert ways.best() is True
+
+
+def test_the_other_way_winning_takes_over_at_once_without_its_older_times():
+    ways = Faster(every=4, most=64)
+    quiet = 20  # the first 20 steps: spinning wins; then a busy machine slows it fivefold
+    picked = run(ways, 40, lambda way, i: (0.07 if i < quiet else 0.35) if way else 0.10)
+    # a slow step triggers a try of the other way at the next step; it wins and keeps running
+    first_slow = quiet + 1
+    assert picked[first_slow] is False
+    assert all(way is False for way in picked[first_slow:first_slow + 3])
+    assert ways.times[False] == [0.10] * len(ways.times[False])
+    assert ways.best() is False
+
+
+def test_a_machine_going_quiet_is_found_by_the_next_try():
+    ways = Faster(every=4, most=8)
+    busy = 12  # spinning is slow for 12 steps, then fast
+    picked = run(ways, 40, lambda way, i: (0.35 if i < busy else 0.07) if way else 0.10)
+    later = [i for i in tries(picked, False) if i > busy]
+    assert later, "spinning was never tried again"
+    assert all(way is True for way in picked[later[0] - 1:later[0] + 3])  # the try won and took over at once
+
+
+def test_noise_below_the_jump_does_not_trigger_tries():
+    ways = Faster(every=4, most=1000)
+    noise = [0.07, 0.08, 0.065, 0.09, 0.075, 0.1]  # at most 1.43x the running median
+    picked = run(ways, 200, lambda way, i: noise[i % len(noise)] if way else 0.2)
+    assert tries(picked, True) == [2, 6, 14, 30, 62, 126]
