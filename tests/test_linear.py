@@ -93,9 +93,11 @@ def two_threads():
 
 
 def test_rows_are_cut_into_the_evenest_parts_of_whole_blocks():
-    assert [linear.parts(n, 2) for n in (576, 192, 1536, 49152, 128)] == [9, 3, 2, 2, 2]
-    assert linear.parts(576, 4) == 3 and linear.parts(1536, 4) == 4 and linear.parts(1536, 3) == 3
-    assert [linear.parts(n, 2) for n in (64, 100, 577)] == [1, 1, 1]  # one block, or rows off the blocks: no cut
+    assert [linear.parts(n, 2) for n in (576, 192, 1536, 49152, 128)] == [2, 2, 2, 2, 2]  # the default model's
+    assert [linear.parts(n, 2, rows=64) for n in (576, 192, 1536, 49152, 128)] == [9, 3, 2, 2, 2]
+    assert linear.parts(576, 4, rows=64) == 3 and linear.parts(1536, 4) == 4 and linear.parts(1536, 3) == 3
+    assert [linear.parts(n, 2, rows=64) for n in (64, 100, 577)] == [1, 1, 1]  # one block, or rows off the blocks
+    assert [linear.parts(n, 2) for n in (32, 100, 577)] == [1, 1, 1]
     assert linear.parts(1536, 1) == 1
     assert linear.parts(96, 2, rows=32) == 3
 

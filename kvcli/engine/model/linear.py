@@ -72,7 +72,7 @@ def weight_first_helps(model: Any) -> bool:
 
 
 SPLIT_MIN = 1 << 16  # weight elements (256 KiB of float32): smaller products cost less than a parallel region
-ROWS = 64  # every part starts at a multiple of this many rows
+ROWS = 32  # every part starts at a multiple of this many rows
 
 
 class _Helper:
@@ -103,7 +103,7 @@ def _the_helper() -> _Helper:
 @functools.lru_cache(maxsize=None)
 def parts(out_features: int, threads: int, rows: int = ROWS) -> int:
     """Into how many equal parts of whole `rows`-row blocks a weight's rows are cut for `threads` threads: the
-    evenest share of parts per thread, then the fewest parts (576 rows, 2 threads: 9 parts of 64); 1 when
+    evenest share of parts per thread, then the fewest parts (576 rows, 2 threads: 2 parts of 288); 1 when
     no cut of two or more parts exists."""
     if threads < 2 or out_features % rows:
         return 1
