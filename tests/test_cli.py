@@ -290,3 +290,23 @@ def test_each_cut_answer_gets_one_line_on_a_terminal(cache_dir, monkeypatch):
     for question, line in zip(("First?", "Second?"), lines):
         assert line.startswith(f"kvcli: note: the answer to {question!r} was cut at 4 tokens (--max-new-tokens)")
         assert line.endswith(")") and "4 tokens in " in line
+
+
+def test_main_leaves_the_collector_frozen_for_the_exit(monkeypatch, capsys):
+    """kvcli's main() freezes the collector after the command: the interpreter's last collections then skip what
+    torch and transformers made, and a process exits in a fraction of the time (tests/bench/bench_coldstart.py)."""
+    import gc
+    import sys
+
+    from kvcli.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["kvcli", "--version"])
+    gc.unfreeze()
+    try:
+        with pytest.raises(SystemExit) as done:
+            main()
+        assert done.value.code == 0
+        assert capsys.readouterr().out.startswith("kvcli ")
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
