@@ -25,5 +25,5 @@ def main() -> None:
         app(prog_name="kvcli")
     finally:
         # At exit the interpreter's collector walks every object torch and transformers made (over a second
-        # after an answer on 2 cores, docs/performance.md); frozen, they are freed with the process instead.
+        # after an answer on 2 cores, docs/performance.md); frozen, it skips them and the OS takes the memory back.
         gc.freeze()
