@@ -31,8 +31,8 @@ def test_the_other_way_winning_takes_over_at_once_without_its_older_times():
     ways = Faster(every=4, most=64)
     quiet = 20  # the first 20 steps: spinning wins; then a busy machine slows it fivefold
     picked = run(ways, 40, lambda way, i: (0.07 if i < quiet else 0.35) if way else 0.10)
-    # the first slow step (index 20) has the other way tried at the next; it wins and keeps running
-    tried = quiet + 1
+    # two slow steps in a row (indexes 20 and 21) have the other way tried at the next; it wins and keeps running
+    tried = quiet + 2
     assert picked[tried] is False
     assert all(way is False for way in picked[tried:tried + 3])
     assert 0.07 not in ways.times[True]  # the quiet machine's times went with the take-over
@@ -53,3 +53,10 @@ def test_noise_below_the_jump_does_not_trigger_tries():
     noise = [0.07, 0.08, 0.065, 0.09, 0.075, 0.1]  # at most 1.43x the running median
     picked = run(ways, 200, lambda way, i: noise[i % len(noise)] if way else 0.2)
     assert tries(picked, True) == [2, 6, 14, 30, 62, 126]
+
+
+def test_a_lone_slow_step_is_noise_and_tries_nothing():
+    ways = Faster(every=4, most=64)
+    spiky = lambda way, i: (0.2 if i % 5 == 4 else 0.07) if way else 0.3  # noqa: E731  every 5th step is slow
+    picked = run(ways, 120, spiky)
+    assert tries(picked, True) == [2, 6, 14, 30, 62]

@@ -82,9 +82,10 @@ class Faster:
     bits, so the choice never changes an answer). Each way is tried once, then the way with the lower median of
     its last few steps runs, and the other is tried again now and then: first after `every` steps, each time it
     loses again after twice as many, up to `most` (a try costs one slow step, so a machine that stays as it is
-    pays for few of them). A running step that takes `jump` times the way's median (the machine got busier)
-    has the other tried at the next step, against that step's time. A try that wins takes over at once (the
-    older times are of another state of the machine), and the next try comes after `every` steps again."""
+    pays for few of them). Two running steps in a row that take `jump` times the way's median (the machine got
+    busier; one such step is noise) have the other tried at the next step, against the last one's time. A try
+    that wins takes over at once (the older times are of another state of the machine), and the next try comes
+    after `every` steps again."""
 
     def __init__(self, every: int = 16, most: int = 256, keep: int = 5, jump: float = 1.5):
         self.every, self.most, self.keep, self.jump = every, most, keep, jump
@@ -92,7 +93,8 @@ class Faster:
         self.steps = 0
         self.gap = every  # steps from a try of the other way to the next
         self.due = 0  # the step at which the other way is tried next
-        self.jumped = False  # the running way's last step was a jump: the next try is held against it
+        self.slow = 0  # the running way's last steps in a row that took `jump` times its median
+        self.jumped = False  # two of them: the next step tries the other way, held against the last one's time
 
     def _median(self, way: bool) -> float:
         times = sorted(self.times[way])
@@ -116,9 +118,10 @@ class Faster:
             return
         running = self.best()
         if way == running:
-            self.jumped = seconds > self.jump * self._median(way)
+            self.slow = self.slow + 1 if seconds > self.jump * self._median(way) else 0
+            self.jumped = self.slow >= 2  # twice in a row: a busier machine, not one step's noise
             if self.jumped:
-                self.due, self.gap = self.steps + 1, self.every
+                self.due = self.steps + 1
             self.times[way] = (self.times[way] + [seconds])[-self.keep:]
             return
         now = self.times[running][-1] if self.jumped else self._median(running)
@@ -129,4 +132,4 @@ class Faster:
         else:
             self.times[way] = (self.times[way] + [seconds])[-self.keep:]
             self.gap = min(2 * self.gap, self.most)
-        self.due, self.jumped = self.steps + self.gap, False
+        self.due, self.jumped, self.slow = self.steps + self.gap, False, 0
