@@ -78,8 +78,9 @@ def test_ci_runs_the_readme_commands_as_written():
     readme = (ROOT / "README.md").read_text()
     block = next(b for b in _sh_blocks(readme.split("## Quick start", 1)[1]) if "python3 -m venv" in b)
     quick = " && ".join(line.strip() for line in block.splitlines() if line.strip())  # one line a command in the README, one && chain in .ci/run
-    development = (ROOT / "docs" / "development.md").read_text()
-    tests = _sh_blocks(development.split("## Running the tests", 1)[1])[0].strip()
+    tests = next(b for b in _sh_blocks(readme.split("## Quick start", 1)[1]) if "pytest" in b).strip()
+    assert "\n" not in tests and tests.index("'.[test]'") < tests.index("pytest")  # one line: the test extra, then the suite
+    assert "```sh" not in (ROOT / "docs" / "development.md").read_text().split("## Running the tests", 1)[1].split("## ", 1)[0]  # no second copy
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert quick in ci and tests in ci
     assert ci.index(quick) < ci.index(".ci/slurm-up") < ci.index(tests)
