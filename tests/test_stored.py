@@ -308,7 +308,8 @@ def test_help_names_the_weights_modes():
 
     for command in ("prefill", "bench"):
         text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", run(command, "--help").stdout).split())
-        assert "--weights <float|q8|q4>" in text, command
+        assert "--weights <float|q8|q4|gguf>" in text, command
+        assert "gguf: a GGUF file's own low-bit weights" in text, command
         assert "q8: any model's weights as int8 per output channel" in text, command
 
 
@@ -370,7 +371,9 @@ def test_a_served_q4_cache_is_answered_on_q4_weights(q4_lm, q4_cache, monkeypatc
 
 
 @pytest.mark.parametrize("mode, source, device, needle", [
-    ("q2", {"kind": "default"}, "cpu", "--weights q2: choose float, q8 or q4"),
+    ("q2", {"kind": "default"}, "cpu", "--weights q2: choose float, q8, q4 or gguf"),
+    ("gguf", {"kind": "folder", "name": "m"}, "cpu", "--weights gguf runs a .gguf file's own low-bit weights, and m is not one"),
+    ("gguf", {"kind": "gguf"}, "cuda", "runs on the CPU only .torch.s packed int4 and int8 kernel"),
     ("q4", {"kind": "default"}, "cuda", "runs on the CPU only .torch.s packed int4 kernel"),
     ("q8", {"kind": "folder", "name": "m"}, "cuda", "runs on the CPU only .torch.s packed int8 kernel"),
 ])

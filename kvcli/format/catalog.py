@@ -69,14 +69,21 @@ def describe_storage(m: Manifest) -> str:
 
 WEIGHTS = {"float": "float (as transformers dequantizes them, in the dtype above)",
            "q8": "q8 (int8 weights per output channel, quantized at load: torch's int8 kernel, bfloat16 activations)",
-           "q4": "q4 (the GGUF file's 4-bit weights as stored: torch's int4 kernel, bfloat16 activations)"}
+           "q4": "q4 (the GGUF file's 4-bit weights as stored: torch's int4 kernel, bfloat16 activations)",
+           "gguf": "gguf (the GGUF file's own low-bit weights: 4-bit types on torch's int4 kernel, others on its int8 kernel)"}
 
 
 def describe_weights(m: Manifest) -> str:
     """One line for `info`: the arithmetic the keys/values were computed with (a model must be loaded the same way)."""
     if m.weights == "q4" and m.model.get("source", {}).get("kind") not in ("default", "gguf"):
         return "q4 (4-bit weights in groups of 32, quantized at load: torch's int4 kernel, bfloat16 activations)"
-    return WEIGHTS.get(m.weights, str(m.weights))
+    text = WEIGHTS.get(m.weights, str(m.weights))
+    error = m.model.get("weights_error")
+    if isinstance(error, dict) and error:  # per file type -> kernel: how far the kernel's weights are from the file's
+        parts = [f"{kind} {e.get('layers')} layers, mean |diff| {100 * e['mean_abs'] / e['mean_weight']:.2g}% of mean |w|, max {e['max_abs']:.2g}"
+                 for kind, e in error.items() if isinstance(e, dict) and e.get("mean_weight")]
+        text += "; against the file: " + "; ".join(parts)
+    return text
 
 
 def layer_rows(m: Manifest) -> list[dict[str, Any]]:

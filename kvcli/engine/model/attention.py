@@ -49,6 +49,8 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float
     if _SHARED.get() is not None:
         return shared_prefix_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
+    if _one_row_eager(query, attention_mask, dropout, kwargs):
+        return _one_row_attention(query, key, value, scaling)
     groups = getattr(module, "num_key_value_groups", 1)
     if (attention_mask is None or groups <= 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
             or kwargs.get("s_aux") is not None or kwargs.get("output_attentions", False)):
@@ -59,6 +61,32 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=False, enable_gqa=True
     )  # [b, heads, q, d]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _one_row_eager(query, attention_mask, dropout, kwargs) -> bool:
+    """A decoding step's query (one row) in bfloat16 or float16 on the CPU, with nothing but the keys to attend:
+    torch's flash kernel takes 7x (1,024 keys) to 20x (8,192) the time of the plain products there
+    (docs/performance.md, "bfloat16 decode")."""
+    import torch
+
+    return (query.shape[2] == 1 and query.dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu"
+            and attention_mask is None and not dropout and all(kwargs.get(k) is None for k in ("softcap", "s_aux", "position_bias"))
+            and not kwargs.get("output_attentions", False) and not kwargs.get("sliding_window"))
+
+
+def _one_row_attention(query, key, value, scaling):
+    """transformers' eager attention for one query row, grouped heads read in place: scores in the model's dtype,
+    softmax in float32. query [b, heads, 1, d], key/value [b, kv_heads, kv, d] -> [b, 1, heads, d]."""
+    import torch
+
+    b, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    scale = scaling if scaling is not None else dim**-0.5
+    q = query.reshape(b, kv_heads, heads // kv_heads, dim)  # a key/value head's query heads as its rows
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [b, kv_heads, rep, kv]
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(weights, value)  # [b, kv_heads, rep, d]
+    return out.reshape(b, 1, heads, value.shape[-1]), None
 
 
 def sdpa_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):

@@ -51,7 +51,7 @@ class LoadedModel:
         return self.model.dtype
 
     @property
-    def weights(self) -> str:  # "float", "q8" or "q4": the linear layers' arithmetic (stored.py)
+    def weights(self) -> str:  # "float", "q8", "q4" or "gguf": the linear layers' arithmetic (stored.py)
         return self.fingerprint.get("weights", "float")
 
     @property
@@ -311,7 +311,7 @@ def load(
     """Load model and tokenizer for kvcli; refuse models whose cache kvcli cannot restore exactly.
 
     On the CPU, sdpa attention becomes kvcli's grouped-query sdpa (engine/model/attention.py). weights: "float",
-    "q8" or "q4" (engine/model/stored.py); None takes the source's own (a cache's recorded source)."""
+    "q8", "q4" or "gguf" (engine/model/stored.py, gguf_weights.py); None takes the source's own (a cache's recorded source)."""
     source = dict(source) if source is not None else resolve(model, revision=revision)
     args = hub.load_args(source)  # before torch is imported
     from . import attention, linear, stored
@@ -324,7 +324,7 @@ def load(
     config = load_config(source, trust_remote_code=trust_remote_code, progress=progress)
     layers.plan(config)  # raises ModelError for unsupported architectures before loading any weights
     where = _load_path(source, progress)
-    torch_dtype = pick_dtype(dtype, dev, config)
+    torch_dtype = pick_dtype("bfloat16" if mode == "gguf" and dtype == "auto" else dtype, dev, config)  # gguf's kernels take bfloat16
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = _from_pretrained(source, AutoTokenizer, where, trust_remote_code=trust_remote_code, **args)
@@ -336,8 +336,10 @@ def load(
     fp = fingerprint(lm, tok, _weight_files(source, where), kvcli_home() / "fingerprints")  # of the weights as read
     if mode != "float":  # recorded: a cache of this arithmetic is refused by the other
         gguf = source["kind"] in ("default", "gguf")  # q4 then runs the file's own 4-bit codes
-        stored.use(lm, mode, Path(source["path"]) if gguf else None, gguf_folders(source["sha256"])[0] if gguf else None)
+        error = stored.use(lm, mode, Path(source["path"]) if gguf else None, gguf_folders(source["sha256"])[0] if gguf else None)
         source["weights"] = fp["weights"] = mode
+        if error:  # per file type: how far the kernels' weights are from the file's
+            fp["weights_error"] = error
     linear.use_split_linears(lm)
     page_in(lm)
     return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fp)

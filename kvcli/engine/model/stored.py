@@ -34,7 +34,7 @@ import torch
 from ...errors import ModelError
 from .linear import weight_first_product
 
-MODES = ("float", "q8", "q4")
+MODES = ("float", "q8", "q4", "gguf")
 GROUP = 32  # weights per Q4_1 block: one scale and one minimum each
 _Q4_1 = 3  # ggml type id (gguf.GGMLQuantizationType.Q4_1)
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -57,7 +57,7 @@ class Q4Linear(torch.nn.Module):
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out], in x's dtype
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in], contiguous (the kernel's input)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [n, in] (the kernel reads it as dense; a bfloat16 x is not copied)
         y = _INT4_MM(rows, self.packed, GROUP, self.scales_zeros).to(x.dtype)  # [n, out]
         y = y.view(*x.shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
@@ -112,7 +112,7 @@ class Q8Linear(torch.nn.Module):
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out], in x's dtype
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [n, in]
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()  # [n, in] (dense, as the kernel reads it)
         if rows.shape[0] <= self.WIDE:
             y = _INT8_MM(rows, self.codes, self.scales)  # [n, out] bfloat16
         else:
@@ -219,7 +219,8 @@ def stored_blocks(model: Any, gguf_path: Path) -> dict[str, torch.Tensor]:
                              "(kvcli cannot run this file's 4-bit weights as stored); use --weights float")
         found[name] = (raw if order is None else raw[order]).contiguous()
     if not found:
-        raise ModelError(f"{gguf_path}: no linear layer is stored as Q4_1; --weights q4 needs a Q4_1 GGUF file")
+        raise ModelError(f"{gguf_path}: no linear layer is stored as Q4_1; --weights q4 needs a Q4_1 GGUF file",
+                         hint="--weights gguf runs any GGUF file's own low-bit weights")
     return found
 
 
@@ -266,8 +267,11 @@ def check_mode(mode: str, source: dict[str, Any], device: str) -> None:
         raise ModelError(f"--weights {mode}: choose {', '.join(MODES[:-1])} or {MODES[-1]}")
     if mode == "float":
         return
+    if mode == "gguf" and source.get("kind") not in ("default", "gguf"):
+        raise ModelError(f"--weights gguf runs a .gguf file's own low-bit weights, and {source.get('name', 'this model')} "
+                         "is not one: use --weights q8 or q4, which quantize any model at load")
     if torch.device(device).type != "cpu":
-        kernel = "int4" if mode == "q4" else "int8"
+        kernel = {"q4": "int4", "q8": "int8"}.get(mode, "int4 and int8")
         raise ModelError(f"--weights {mode} runs on the CPU only (torch's packed {kernel} kernel for the CPU), not {device}")
 
 
@@ -309,9 +313,14 @@ def use_q8(model: Any) -> None:
                 model.set_submodule(name, Q8Linear(*quantize_q8(module.weight), bias))
 
 
-def use(model: Any, mode: str, gguf_path: Path | None, gguf_folder: Path | None) -> None:
-    """Run `model`'s linear layers in `mode` ("q8" or "q4"), in place; q4 on a GGUF file (`gguf_path`, converted
-    into `gguf_folder`) runs its own codes, kept beside that folder."""
+def use(model: Any, mode: str, gguf_path: Path | None, gguf_folder: Path | None) -> dict[str, Any] | None:
+    """Run `model`'s linear layers in `mode` ("q8", "q4" or "gguf"), in place; q4 on a GGUF file (`gguf_path`,
+    converted into `gguf_folder`) runs its own Q4_1 codes, kept beside that folder; gguf runs each layer on the
+    kernel nearest its type in the file and returns the weights' difference from the file's (gguf_weights.py)."""
+    if mode == "gguf":
+        from .gguf_weights import use_gguf
+
+        return use_gguf(model, gguf_path, gguf_folder.with_name(gguf_folder.name + "-gguf") if gguf_folder is not None else None)
     if mode == "q8":
         use_q8(model)
     else:
