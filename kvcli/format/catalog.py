@@ -25,7 +25,8 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "num_tokens": m.num_tokens,
         "num_layers": len(m.layers),
         "dtype": m.dtype,
-        "weights": m.weights,  # "q8", "q4": computed with quantized weights (engine/model/stored.py)
+        "weights": m.weights,  # "q8", "q4", "gguf": computed with quantized weights (engine/model/stored.py)
+        **({"weights_error": m.model["weights_error"]} if m.model.get("weights_error") else {}),  # gguf: per file type -> kernel
         "bytes_raw": m.bytes_raw,
         "bytes_on_disk": m.bytes_stored,
         "ratio": round(m.bytes_stored / m.bytes_raw, 4) if m.bytes_raw else None,

@@ -1,0 +1,138 @@
+"""A GGUF file's own low-bit weights (--weights gguf, engine/model/gguf_weights.py): every 4-bit block type read
+back exactly as gguf dequantizes it, the int4 kernel running those codes, and on the real default model: every
+linear on the kernel nearest its type, the difference from the file measured and shown, a cache of this
+arithmetic refused by the others, and a cached answer equal to the no-cache answer of the same arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import kvcli
+from kvcli.engine.model import gguf_weights, stored
+from kvcli.errors import CacheMismatchError, ModelError
+from tests.conftest import SAMPLES
+from tests.helpers import run
+
+QUESTION = "Who may grant a patent license under this license?"
+
+
+def _q4k_bytes(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K blocks (gguf has no Q4_K quantizer): finite float16 d and dmin, any scale, min and code bytes."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = np.float16(rng.uniform(1e-3, 2e-2, size=(rows, cols // 256))).view(np.uint8).reshape(rows, -1, 2)
+    blocks[..., 2:4] = np.float16(rng.uniform(1e-3, 2e-2, size=(rows, cols // 256))).view(np.uint8).reshape(rows, -1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_every_4bit_block_type_reads_back_as_gguf_dequantizes_it(kind):
+    import gguf
+
+    rows, cols = 48, 512
+    qtype = gguf.GGMLQuantizationType[kind]
+    if kind == "Q4_K":
+        raw = _q4k_bytes(rows, cols)
+    else:
+        raw = gguf.quants.quantize(np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32), qtype)
+    codes, scale, add = gguf_weights.q4_codes(torch.from_numpy(raw.copy()), kind, rows, cols)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and scale.shape == (rows, cols // 32)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(rows, cols))
+    assert torch.equal(gguf_weights.q4_weights(codes, scale, add), expected)
+
+
+def test_the_int4_kernel_runs_the_codes_with_bfloat16_scales():
+    import gguf
+
+    rows, cols = 64, 256
+    raw = _q4k_bytes(rows, cols, seed=3)
+    codes, scale, add = gguf_weights.q4_codes(torch.from_numpy(raw.copy()), "Q4_K", rows, cols)
+    packed, sz, runs = gguf_weights._pack(codes, scale, add)
+    file_w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(rows, cols))
+    # the kernel's weights differ from the file's only by the bfloat16 rounding of scale and zero
+    assert float((runs - file_w).abs().max()) <= 2 ** -7 * float(file_w.abs().max()) * 4
+    layer = stored.Q4Linear(packed, sz, cols, rows, None)
+    x = torch.randn(3, cols, dtype=torch.bfloat16)
+    ref = x.float() @ runs.t()
+    assert torch.allclose(layer(x).float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+@pytest.fixture(scope="module")
+def gguf_lm(session_home):
+    import os
+
+    old = os.environ.get("KVCLI_HOME")
+    os.environ["KVCLI_HOME"] = str(session_home)
+    try:
+        yield kvcli.load(weights="gguf")
+    finally:
+        if old is None:
+            os.environ.pop("KVCLI_HOME", None)
+        else:
+            os.environ["KVCLI_HOME"] = old
+
+
+def test_every_linear_runs_on_the_kernel_nearest_its_type_and_the_difference_is_recorded(gguf_lm):
+    modules = dict(gguf_lm.model.named_modules())
+    assert sum(isinstance(m, stored.Q4Linear) for m in modules.values()) == 7 * 30  # the file's Q4_1 layers
+    assert isinstance(gguf_lm.model.get_output_embeddings(), stored.Q8Linear)  # tied to the Q8_0 embedding
+    assert not any(type(m) is torch.nn.Linear for m in modules.values())
+    assert gguf_lm.weights == "gguf" and gguf_lm.fingerprint["dtype"] == "bfloat16"  # the kernels' activations
+    error = gguf_lm.fingerprint["weights_error"]
+    assert set(error) == {"Q4_1->int4", "Q8_0->int8"} and error["Q4_1->int4"]["layers"] == 210
+    for e in error.values():  # bfloat16 scales (int4) or one scale a row (int8): within a few percent of the weights
+        assert 0 < e["mean_abs"] < 0.05 * e["mean_weight"] and e["max_abs"] > 0
+
+
+def test_a_second_load_reads_the_kept_kernel_tensors_and_runs_the_same_products(gguf_lm, session_home):
+    (kept,) = (session_home / "models").glob("gguf-*-gguf/gguf-kernels.safetensors")
+    stamp = kept.stat().st_mtime_ns
+    again = kvcli.load(weights="gguf")
+    assert kept.stat().st_mtime_ns == stamp  # read, not made again
+    assert again.fingerprint["weights_error"] == gguf_lm.fingerprint["weights_error"]
+    for name, width in (("model.layers.3.mlp.down_proj", 1536), ("lm_head", 576)):  # an int4 and an int8 layer
+        x = torch.randn(2, width, dtype=torch.bfloat16)
+        assert torch.equal(gguf_lm.model.get_submodule(name)(x), again.model.get_submodule(name)(x))
+
+
+@pytest.fixture(scope="module")
+def gguf_cache(gguf_lm, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "license.txt"
+    path.write_text((SAMPLES / "document.txt").read_text()[:5000])
+    out = path.with_suffix(".kv")
+    kvcli.prefill(gguf_lm, kvcli.read_document(path), out)
+    return out
+
+
+def test_a_cached_answer_is_the_no_cache_answer_of_the_same_arithmetic(gguf_lm, gguf_cache):
+    """--check recomputes the whole prompt on the same model (weights, dtype, kernels) and compares."""
+    session = kvcli.Session(gguf_lm, gguf_cache)
+    answer = session.ask(QUESTION, kvcli.GenerationOptions(max_new_tokens=24), check=True)
+    check = answer.check
+    assert check.weights == "gguf" and check.tokens == len(answer.answer_token_ids) > 0
+    assert "gguf weights" in check.describe()
+    assert check.agreement >= 0.8 and check.kl_mean < 0.05, check.describe()
+
+
+def test_caches_of_the_gguf_arithmetic_are_refused_by_the_float_model(gguf_cache, default_lm):
+    with pytest.raises(CacheMismatchError, match="weights .cache gguf, model float"):
+        kvcli.Session(default_lm, gguf_cache)
+
+
+def test_info_states_the_difference_from_the_file(gguf_cache):
+    r = run("info", str(gguf_cache))
+    assert r.exit_code == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "gguf (the GGUF file's own low-bit weights" in text
+    assert "against the file: Q4_1->int4 210 layers, mean |diff|" in text
+    r = run("info", str(gguf_cache), "--json")
+    assert json.loads(r.stdout)["weights_error"]["Q8_0->int8"]["layers"] == 1
+
+
+def test_a_folder_model_is_refused_before_any_weight_loads(tiny_model_dir):
+    with pytest.raises(ModelError, match="--weights gguf runs a .gguf file's own low-bit weights"):
+        kvcli.load(str(tiny_model_dir), weights="gguf")
