@@ -3,6 +3,7 @@
     python tests/bench/bench_decode.py [--tokens 32] [--rounds 5] [--busy N] [--cache DIR] [--json]
     python tests/bench/bench_decode.py --apart [--tokens 32] [--rounds 5] [--busy N]
     python tests/bench/bench_decode.py --profile [--steps 10]
+    python tests/bench/bench_decode.py --model FILE.gguf --weights gguf [--dtype auto] [--doc-tokens 1024] [--profile]
 
 Default: in one process, taking turns, decode ms per token (after the first token) of kvcli's
 Session.ask (the engine thread, the lone row on the document's cache) and of transformers' generate()
@@ -13,13 +14,16 @@ one-row decode steps (OneRowDecoder in this thread: as shipped, with the OpenMP 
 float32 product split across the cores, and with them sleeping and no product split; engine/decoding/solo.py),
 lists torch.profiler's top ops by self CPU time, and
 times the one-row products of the step's shapes alone at 1 and 2 torch threads. Prints the CPU, its
-flags, the thread count and the load average before and after. With no --cache the sample document is
-prefilled into tests/bench/.bench-decode/ (reused by later runs).
+flags, the thread count and the load average before and after. With no --cache the sample document (its first
+--doc-tokens tokens, when given) is prefilled into tests/bench/.bench-decode/, one cache per model, weights and
+dtype (reused by later runs). --model, --weights and --dtype load the model as kvcli.load does (default: the
+default model in float32); the one-row products timed by --profile are those of the model's own float layers.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -63,6 +67,10 @@ def main() -> None:
     ap.add_argument("--cache", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--apart", action="store_true", help="each way in fresh processes of its own, taking turns")
+    ap.add_argument("--model", default=None, help="a .gguf file, a folder or a hub id (default: kvcli's default model)")
+    ap.add_argument("--weights", default="float", help="float, q8, q4 or gguf (engine/model/stored.py)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--doc-tokens", type=int, default=None, help="the sample document's first N tokens only")
     ap.add_argument("--child", choices=("kvcli", "generate"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.apart:
@@ -76,11 +84,17 @@ def main() -> None:
     from kvcli.engine.decoding.protocol import Row
     from kvcli.engine.decoding.solo import OneRowDecoder
 
-    lm = kvcli.load()
-    cache = Path(args.cache) if args.cache else WORK / "document.kv"
+    lm = kvcli.load(args.model, weights=args.weights, dtype=args.dtype)
+    tag = f"{Path(args.model).stem if args.model else 'default'}-{args.weights}-{str(lm.dtype).removeprefix('torch.')}"
+    cache = Path(args.cache) if args.cache else WORK / f"document-{tag}-{args.doc_tokens or 'all'}.kv"
     if not cache.exists():
         cache.parent.mkdir(parents=True, exist_ok=True)
-        kvcli.prefill(lm, kvcli.read_document(SAMPLES / "document.txt"), str(cache))
+        document = kvcli.read_document(SAMPLES / "document.txt")
+        if args.doc_tokens:  # the first N tokens' text, as a document of its own
+            ids = lm.tokenizer(document.text, add_special_tokens=False)["input_ids"][: args.doc_tokens]
+            text = lm.tokenizer.decode(ids)
+            document = kvcli.Document(name="document.txt", text=text, sha256=hashlib.sha256(text.encode()).hexdigest())
+        kvcli.prefill(lm, document, str(cache))
     session = kvcli.Session(lm, str(cache))
     prompt = session.prompt_ids(QUESTION)
     doc = len(session.token_ids)
@@ -114,15 +128,16 @@ def main() -> None:
                 d.step()
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
         F = torch.nn.functional
-        shapes = {"q/o [1,576]x[576,576]": (576, 576), "k/v [1,576]x[576,192]": (192, 576),
-                  "gate/up [1,576]x[576,1536]": (1536, 576), "down [1,1536]x[1536,576]": (576, 1536),
-                  "output layer [1,576]x[576,49152]": (49152, 576)}
+        layers = [(n.rsplit(".", 1)[-1], m) for n, m in lm.model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and (".layers.0." in n or m is lm.model.get_output_embeddings())]
+        shapes = {f"{n} [1,{m.in_features}]x[{m.in_features},{m.out_features}]": (m.out_features, m.in_features)
+                  for n, m in layers}  # the float layers' shapes (a low-bit model has none left)
         threads = torch.get_num_threads()
         products = {}
         for label, (out, inp) in shapes.items():
-            copies = max(1, (256 << 20) // (out * inp * 4))  # distinct weights, as a step reads them: not from the CPU cache
-            ws = [torch.randn(out, inp) for _ in range(min(copies, 30))]
-            x = torch.randn(1, inp)
+            copies = max(1, (256 << 20) // (out * inp * lm.dtype.itemsize))  # distinct weights, as a step reads them: not from the CPU cache
+            ws = [torch.randn(out, inp, dtype=lm.dtype) for _ in range(min(copies, 30))]
+            x = torch.randn(1, inp, dtype=lm.dtype)
             for t in (1, 2):
                 torch.set_num_threads(t)
                 products.setdefault(label, {})[t] = round(median_ms(lambda: [F.linear(x, w) for w in ws], 9) / len(ws), 3)
@@ -208,7 +223,9 @@ def main() -> None:
 def apart(args) -> None:
     """--apart: --rounds rounds, each way in a fresh process per round (no process holds the other's threads)."""
     load_before = os.getloadavg()
-    child = [sys.executable, __file__, "--tokens", str(args.tokens)] + (["--cache", args.cache] if args.cache else [])
+    child = [sys.executable, __file__, "--tokens", str(args.tokens), "--weights", args.weights, "--dtype", args.dtype]
+    child += (["--cache", args.cache] if args.cache else []) + (["--model", args.model] if args.model else [])
+    child += ["--doc-tokens", str(args.doc_tokens)] if args.doc_tokens else []
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     times: dict[str, list[float]] = {"kvcli": [], "generate": []}
     tokens: dict[str, list[int]] = {}

@@ -83,7 +83,7 @@ def _one_row_attention(query, key, value, scaling):
     kv_heads = key.shape[1]
     scale = scaling if scaling is not None else dim**-0.5
     q = query.reshape(b, kv_heads, heads // kv_heads, dim)  # a key/value head's query heads as its rows
-    scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [b, kv_heads, rep, kv]
+    scores = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2) * scale  # [b, kv_heads, rep, kv]; keys read in place
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out = torch.matmul(weights, value)  # [b, kv_heads, rep, d]
     return out.reshape(b, 1, heads, value.shape[-1]), None
