@@ -2,17 +2,22 @@
 
     python tests/bench/bench_weights.py [--modes float,q8,q4] [--repeats 3] [--max-new-tokens 64] [--check-tokens 48]
                                   [--doc samples/document.txt] [--workdir DIR] [--threads N] [--json]
+    python tests/bench/bench_weights.py --model FILE.gguf --modes float,float@bfloat16,q8,gguf --doc-tokens 2048
 
-Loads the default model once per mode (kvcli.load(weights=...)), prefills the document with each, then times one
+Loads the model (--model, default kvcli's default) once per mode (kvcli.load(weights=...); WEIGHTS@DTYPE also sets
+the dtype), prefills the document with each, then times one
 question from a fresh restore per mode in turn (float, q8, q4, float, ...; --repeats rounds): decode ms per token
 after the first, medians. Then asks every question of samples/questions.txt with --check on each mode: answers
-identical to a recompute on the same weights, the top token's agreement and the mean KL (engine/check.py). Prints
+identical to a recompute on the same weights, the top token's agreement and the mean KL (engine/check.py), and how
+many of the answer tokens each mode shares with the first mode's answers (common prefixes). Prints
 the CPU, its flags, the threads and the load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import json
 import os
 import statistics
@@ -39,6 +44,8 @@ def main() -> None:
     ap.add_argument("--doc", default=str(SAMPLES / "document.txt"))
     ap.add_argument("--workdir", default=None, help="where the caches go (default: a temporary folder)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: the CPU's cores)")
+    ap.add_argument("--model", default=None, help="a .gguf file, a folder or a hub id (default: kvcli's default model)")
+    ap.add_argument("--doc-tokens", type=int, default=None, help="the document's first N tokens only")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -52,9 +59,14 @@ def main() -> None:
         doc = kvcli.read_document(args.doc)
         lms, caches = {}, {}
         for mode in modes:
+            weights, _, dtype = mode.partition("@")
             t = time.perf_counter()
-            lms[mode] = kvcli.load(weights=mode)
+            lms[mode] = kvcli.load(args.model, weights=weights, dtype=dtype or "auto")
             load_s = time.perf_counter() - t
+            if args.doc_tokens and mode == modes[0]:  # the first N tokens' text, as a document of its own
+                ids = lms[mode].tokenizer(doc.text, add_special_tokens=False)["input_ids"][: args.doc_tokens]
+                text = lms[mode].tokenizer.decode(ids)
+                doc = kvcli.Document(name=doc.name, text=text, sha256=hashlib.sha256(text.encode()).hexdigest())
             caches[mode] = work / f"document-{mode}.kv"
             t = time.perf_counter()
             kvcli.prefill(lms[mode], doc, caches[mode], force=True)
@@ -72,7 +84,11 @@ def main() -> None:
             r = result["modes"][mode]
             r["decode_ms_per_token"] = statistics.median(r["decode_ms_per_token_runs"])
             session = kvcli.Session(lms[mode], caches[mode])
-            checks = [session.ask(q, check_opts, check=True).check for q in questions]
+            answers = [session.ask(q, check_opts, check=True) for q in questions]
+            checks = [a.check for a in answers]
+            r["answer_ids"] = [a.answer_token_ids for a in answers]
+            first = result["modes"][modes[0]]["answer_ids"]
+            r["shared_with_first"] = [sum(1 for _ in itertools.takewhile(lambda p: p[0] == p[1], zip(a, b))) for a, b in zip(r["answer_ids"], first)]
             r["check"] = {"identical": sum(c.identical for c in checks), "answers": len(checks),
                           "tokens": sum(c.tokens for c in checks),
                           "agreement": sum(c.agreement * c.tokens for c in checks) / max(1, sum(c.tokens for c in checks)),
@@ -86,13 +102,15 @@ def main() -> None:
     m = result["machine"]
     print(f"{m['cpu']['model']}, {m['cpu']['cores']} cores ({' '.join(m['cpu']['flags'])}), {m['threads']} threads, "
           f"load {m['load_before']} -> {m['load_after']}")
-    print("| weights | decode ms/token (median; runs) | prefill s | on disk MB | --check: identical | top token agrees | mean KL |")
-    print("|---|---|---|---|---|---|---|")
+    print("| weights | decode ms/token (median; runs) | prefill s | on disk MB | --check: identical | top token agrees | mean KL "
+          f"| tokens shared with {modes[0]} |")
+    print("|---|---|---|---|---|---|---|---|")
     for mode, r in result["modes"].items():
         c = r["check"]
         runs = ", ".join(f"{x:.1f}" for x in r["decode_ms_per_token_runs"])
         print(f"| {mode} | {r['decode_ms_per_token']:.1f} ({runs}) | {r['prefill_s']:.1f} | {r['bytes_on_disk'] / 1e6:.0f} | "
-              f"{c['identical']} of {c['answers']} | {c['agreement']:.1%} (worst {c['agreement_worst']:.1%}) | {c['kl_mean']:.2g} |")
+              f"{c['identical']} of {c['answers']} | {c['agreement']:.1%} (worst {c['agreement_worst']:.1%}) | {c['kl_mean']:.2g} | "
+              f"{sum(r['shared_with_first'])} of {sum(len(a) for a in r['answer_ids'])} |")
 
 
 if __name__ == "__main__":
