@@ -1,18 +1,25 @@
-"""Benchmark (not collected by pytest): kvcli and llama.cpp side by side on the same GGUF and prompt ids (issue 25).
+"""Benchmark (not collected by pytest): every kvcli mode and llama.cpp side by side on one GGUF file and the same
+prompt ids (issues 25 and 46).
 
     .ci/llamacpp-up                       # once: llama-cpp-python built from source in a venv of its own
-    python tests/bench/bench_llamacpp.py [--max-new-tokens 64] [--repeats 3] [--doc samples/document.txt] [--weights q4] [--json]
+    nice python tests/bench/bench_llamacpp.py [--model FILE.gguf] [--modes float32,q8,bfloat16,llamacpp]
+        [--tokens 2048] [--repeats 3] [--max-new-tokens 64] [--questions 4] [--doc samples/document.txt]
+        [--generate] [--fresh-convert] [--threads N] [--json]
+    nice python tests/bench/bench_llamacpp.py --tokens 512 --repeats 1 --max-new-tokens 16    # a quick look
+    nice python tests/bench/bench_llamacpp.py --weights q4                # one mode beside llama.cpp: --modes q4,llamacpp
 
-Run from kvcli's venv. kvcli frames the document and every question (its chat framing, engine/prompt/) and
-the exact ids go to llama.cpp, which runs in its own venv's python ($KVCLI_LLAMACPP_PYTHON, default
-/opt/kvcli-llamacpp-venv/bin/python; tests/bench/llamacpp_run.py), after kvcli is done, so neither environment
-imports the other's stack and the two never share the CPU. Both answer greedily (up to --max-new-tokens,
-stopping at the model's end-of-turn ids). Prints, for both: model load, prefill, size on disk, restore,
-first token after restore, decode ms per token for one question (medians of --repeats runs, each from a
-fresh restore), 8 questions (kvcli's batched ask_many against llama.cpp answering them one after another
-from the document's state), and how many answer tokens agree (reported, never asserted: kvcli runs the
-GGUF dequantized to float32, llama.cpp runs Q4_1 with an f16 KV cache), with the CPU, its flags, the
-threads and the load average before and after.
+Run from kvcli's venv. --model: any .gguf file (default: kvcli's default model file). --modes, a comma list
+(default: every mode): float32 and bfloat16 (--dtype, float weights), each --weights mode of
+kvcli.engine.model.stored.MODES but "float" (read at run time), WEIGHTS+DTYPE for both (q8+bfloat16), and
+llamacpp. Each kvcli mode runs in a fresh process of kvcli's python (an honest load time, no shared memory),
+one after another: load, prefill the document (its first --tokens tokens, when given), a warm-up answer, then
+--repeats times a fresh Session (restore) and the first question, then the other questions. llama.cpp runs in
+its own venv ($KVCLI_LLAMACPP_PYTHON, default /opt/kvcli-llamacpp-venv/bin/python; tests/bench/llamacpp_run.py)
+on the GGUF as stored, with the exact ids kvcli framed. All answer greedily, stopping at the model's end-of-turn
+ids. Prints a Markdown table (docs/performance.md), the answers' agreement with kvcli float32's tokens (reported,
+never asserted), the first load of the GGUF (its one-time conversion into a float32 folder; --fresh-convert
+measures it in a temporary KVCLI_HOME when it is already done), the CPU, its flags, the threads and the load
+average before and after. --generate adds transformers' generate() on each mode's own model and cache.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,10 +39,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SAMPLES = HERE.parents[1] / "samples"
 sys.path.insert(0, str(HERE))
-from bench_batch import EXTRA  # noqa: E402  (the 8 questions: the sample's 4, then bench_batch's first extras)
+from bench_batch import EXTRA  # noqa: E402  (questions after the sample's own)
 
 FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
          "avx512_bf16", "avx512vbmi", "amx_tile", "amx_int8", "amx_bf16")
+DTYPES = ("float32", "bfloat16", "float16")
+LLAMACPP = "llamacpp"
 
 
 def cpu() -> dict:
@@ -59,157 +70,294 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def run_kvcli(args, questions: list[str], workdir: Path) -> tuple[dict, dict]:
-    """kvcli's numbers, and the prompt ids (document, each question's appended ids) for llama.cpp."""
-    t = time.perf_counter()
+def parse_mode(name: str) -> tuple[str, str]:
+    """A --modes name as kvcli.load's (weights, dtype): float32 -> (float, float32), q8+bfloat16 -> (q8, bfloat16)."""
+    weights, _, dtype = name.partition("+")
+    return ("float", weights) if weights in DTYPES else (weights, dtype or "auto")
+
+
+def modes(text: str | None) -> list[str]:
+    from kvcli.engine.model.stored import MODES
+
+    names = [m.strip() for m in text.split(",") if m.strip()] if text else \
+        ["float32", "bfloat16", *(m for m in MODES if m != "float"), LLAMACPP]
+    for name in names:
+        weights, dtype = parse_mode(name)
+        if name != LLAMACPP and (weights not in MODES or dtype not in ("auto", *DTYPES)):
+            sys.exit(f"bench_llamacpp: --modes {name}: choose {', '.join(DTYPES)}, {', '.join(MODES)}, "
+                     f"WEIGHTS+DTYPE (q8+bfloat16) or {LLAMACPP}")
+    return names
+
+
+def label(name: str) -> str:
+    if name == LLAMACPP:
+        return "llama.cpp"
+    weights, dtype = parse_mode(name)
+    parts = ([f"`--weights {weights}`"] if weights != "float" else []) + ([f"`--dtype {dtype}`"] if dtype not in ("auto", "float32") else [])
+    return "kvcli " + (" ".join(parts) or "float32")
+
+
+# -- the child: one kvcli mode in a fresh process ------------------------------------------------------------------
+
+def child(cfg_path: str, out_path: str) -> None:
+    cfg = json.loads(Path(cfg_path).read_text())
     import torch
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(cfg["threads"])
     import kvcli
-    from kvcli.engine.model.models import default_gguf_path
+
+    t = time.perf_counter()
+    lm = kvcli.load(cfg["model"], weights=cfg.get("weights"), dtype=cfg.get("dtype", "auto"))
+    out: dict = {"load_s": time.perf_counter() - t, "ready_s": time.time() - cfg["t0"], "threads": torch.get_num_threads()}
+    if cfg.get("weights") is None:  # the first load: timed only
+        Path(out_path).write_text(json.dumps(out))
+        return
+    from kvcli.engine.decoding.batch import eos_ids
     from kvcli.engine.scheduling.scheduler import engine_for
 
-    gguf = str(default_gguf_path())
-    lm = kvcli.load(weights=args.weights)  # the default model: this GGUF (float: converted once into a transformers folder)
-    out: dict = {"load_s": time.perf_counter() - t, "threads": torch.get_num_threads(), "dtype": str(lm.dtype),
-                 "weights": args.weights}
-    doc = kvcli.read_document(args.doc)
-    cache = workdir / "document.kv"
+    out.update(dtype=str(lm.dtype).removeprefix("torch."), weights_error=lm.fingerprint.get("weights_error"))
+    work = Path(cfg["workdir"])
+    doc = kvcli.read_document(cfg["doc"])
+    if cfg.get("tokens"):  # the first N tokens' text, written once so every mode prefills the same document
+        ids = lm.tokenizer(doc.text, add_special_tokens=False)["input_ids"][: cfg["tokens"]]
+        cut = work / "doc" / Path(cfg["doc"]).name
+        cut.parent.mkdir(exist_ok=True)
+        cut.write_text(lm.tokenizer.decode(ids))
+        doc = kvcli.read_document(str(cut))
+    cache = work / f"{cfg['name']}.kv"
     t = time.perf_counter()
     kvcli.prefill(lm, doc, cache, force=True)
     out["prefill_s"] = time.perf_counter() - t
     out["bytes_on_disk"] = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
     engine_for(lm).batched  # noqa: B018  the model's one-time batching probe (remembered on disk), not part of a restore
-    opts = kvcli.GenerationOptions(max_new_tokens=args.max_new_tokens)
+    questions, opts = cfg["questions"], kvcli.GenerationOptions(max_new_tokens=cfg["max_new_tokens"])
+    kvcli.Session(lm, cache).ask(questions[0], kvcli.GenerationOptions(max_new_tokens=2))  # warm-up: first calls of the kernels
     runs = []
-    for _ in range(args.repeats):  # each from a fresh restore: Session open, then the first question
+    for _ in range(cfg["repeats"]):  # each from a fresh restore: Session open, then the first question
         session = kvcli.Session(lm, cache)
         a = session.ask(questions[0], opts)
         n = len(a.answer_token_ids)
         runs.append({"restore_s": session.load_s, "first_token_s": a.ttft_s - session.load_s, "ids": a.answer_token_ids,
                      "decode_ms_per_token": 1000 * (a.total_s - a.ttft_s) / (n - 1) if n > 1 else None})
-    out["restore_s"] = statistics.median(r["restore_s"] for r in runs)
-    out["first_token_s"] = statistics.median(r["first_token_s"] for r in runs)
-    out["restore_runs_s"] = [r["restore_s"] for r in runs]
-    out["first_token_runs_s"] = [r["first_token_s"] for r in runs]
-    out["one"] = {"ids": runs[0]["ids"], "decode_ms_per_token": statistics.median(r["decode_ms_per_token"] for r in runs),
-                  "decode_ms_per_token_runs": [r["decode_ms_per_token"] for r in runs],
-                  "same_ids_every_run": all(r["ids"] == runs[0]["ids"] for r in runs)}
-    t = time.perf_counter()
-    many = session.ask_many(questions, opts, batch_size=len(questions))
-    out["batched"] = {"wall_s": time.perf_counter() - t, "ids": [a.answer_token_ids for a in many],
-                      "tokens": sum(len(a.answer_token_ids) for a in many), "decoding": many[0].decoding or engine_for(lm).mode}
+    for key in ("restore_s", "first_token_s", "decode_ms_per_token"):
+        vals = [r[key] for r in runs if r[key] is not None]
+        out[key], out[key.removesuffix("_s") + "_runs"] = statistics.median(vals) if vals else None, vals
+    out["same_ids_every_run"] = all(r["ids"] == runs[0]["ids"] for r in runs)
+    out["answers"] = [runs[0]["ids"]] + [session.ask(q, opts).answer_token_ids for q in questions[1:]]
     doc_ids = list(session.token_ids)
-    prompt = {"gguf": gguf, "document_ids": doc_ids, "eos_ids": sorted(session.eos),
-              "question_ids": session.prompt_ids(questions[0])[len(doc_ids):],
-              "batch_ids": [session.prompt_ids(q)[len(doc_ids):] for q in questions]}
+    out["prompt"] = {"document_ids": doc_ids, "eos_ids": sorted(session.eos),
+                     "batch_ids": [session.prompt_ids(q)[len(doc_ids):] for q in questions]}
     out["document_tokens"] = len(doc_ids)
-    return out, prompt
+    if cfg["generate"]:
+        out["generate"] = generate(lm, session, session.prompt_ids(questions[0]), eos_ids(lm.model), cfg)
+        out["generate"]["same_ids"] = out["generate"]["ids"] == runs[0]["ids"]
+    shutil.rmtree(cache, ignore_errors=True)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(out_path).write_text(json.dumps(out))
 
 
-def run_llamacpp(python: str, prompt: dict, args, workdir: Path) -> dict:
-    longest = max(len(q) for q in prompt["batch_ids"] + [prompt["question_ids"]])
+def generate(lm, session, prompt: list[int], eos: set[int], cfg: dict) -> dict:
+    """transformers' generate() from a DynamicCache of the session's document (as tests/bench/bench_decode.py)."""
+    import torch
+    from transformers import DynamicCache
+
+    states = session.cache.states()
+    times, ids = [], []
+    for _ in range(cfg["repeats"] + 1):  # the first: warm-up
+        dc = DynamicCache(config=lm.model.config)
+        for i, s in enumerate(states):
+            dc.update(s.keys.clone(), s.values.clone(), i)
+        stamps: list[float] = []
+
+        def stamp(_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+        x = torch.tensor([prompt])
+        with torch.inference_mode():
+            got = lm.model.generate(input_ids=x, attention_mask=torch.ones_like(x), cache=dc, do_sample=False,
+                                    max_new_tokens=cfg["max_new_tokens"], logits_processor=[stamp], eos_token_id=list(eos) or None)
+        ids = got[0, x.shape[1]:].tolist()
+        times.append(1000 * (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1))
+    return {"decode_ms_per_token": statistics.median(times[1:]), "decode_ms_per_token_runs": times[1:], "ids": ids}
+
+
+# -- the parent ------------------------------------------------------------------------------------------------------
+
+def run(cmd: list[str], cfg: dict, name: str, work: Path, env: dict | None = None) -> dict:
+    """One fresh process on CONFIG.json; its OUT.json, or {"error": ...} (the table shows it failed)."""
+    path, out = work / f"{name}.json", work / f"{name}-out.json"
+    cfg["t0"] = time.time()  # the process's start: "ready" counts interpreter, imports and load
+    path.write_text(json.dumps(cfg))
+    done = subprocess.run([*cmd, str(path), str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode or not out.is_file():
+        lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()] or [f"exit {done.returncode}"]
+        print(f"bench_llamacpp: {name} failed: {lines[-1]}", file=sys.stderr)
+        return {"error": lines[-1][:200]}
+    return json.loads(out.read_text())
+
+
+def first_load(args, work: Path) -> dict:
+    """The first kvcli load of this GGUF converts it into a float32 folder once: timed here when it happens, or
+    (--fresh-convert) in a temporary KVCLI_HOME when it already did."""
+    from kvcli.engine.model.models import gguf_folders, resolve
+
+    folder = gguf_folders(resolve(args.model)["sha256"])[0]
+    done = (folder / "config.json").is_file()
+    if done and not args.fresh_convert:
+        return {"already": str(folder)}
+    env = dict(os.environ, KVCLI_HOME=str(work / "home")) if done else None
+    got = run([sys.executable, __file__, "--child"], {"model": args.model, "threads": args.threads}, "convert", work, env)
+    shutil.rmtree(work / "home", ignore_errors=True)
+    return {**got, "folder": str(folder), "fresh_home": done}
+
+
+def run_llamacpp(args, gguf: str, prompt: dict, questions: list[str], work: Path) -> dict:
+    longest = max(len(q) for q in prompt["batch_ids"])
     need = len(prompt["document_ids"]) + longest + args.max_new_tokens
-    cfg = dict(prompt, n_ctx=-(-need // 256) * 256, threads=args.threads, workdir=str(workdir),
-               max_new_tokens=args.max_new_tokens, repeats=args.repeats)
-    (workdir / "llamacpp.json").write_text(json.dumps(cfg))
-    result = workdir / "llamacpp-out.json"
-    done = subprocess.run([python, str(HERE / "llamacpp_run.py"), str(workdir / "llamacpp.json"), str(result)],
-                          env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
-                          stderr=subprocess.PIPE, text=True)  # llama.cpp's log lines: shown only if it fails
-    if done.returncode:
-        sys.exit(f"{done.stderr}\nbench_llamacpp: the llama.cpp side failed (exit {done.returncode})")
-    return json.loads(result.read_text())
-
-
-def compare(k: dict, ll: dict, n_questions: int) -> dict:
-    one_k, one_l = k["one"]["ids"], ll["one"]["ids"]
-    pairs = list(zip(k["batched"]["ids"], ll["sequential"]["ids"]))
-    return {
-        "one_question": {"agree_leading_tokens": common_prefix(one_k, one_l), "kvcli_tokens": len(one_k),
-                         "llamacpp_tokens": len(one_l), "identical": one_k == one_l},
-        "batch": {"identical_answers": sum(a == b for a, b in pairs), "questions": n_questions,
-                  "agree_leading_tokens": [common_prefix(a, b) for a, b in pairs],
-                  "kvcli_tokens": [len(a) for a, _ in pairs], "llamacpp_tokens": [len(b) for _, b in pairs]},
-    }
+    cfg = dict(prompt, gguf=gguf, question_ids=prompt["batch_ids"][0], n_ctx=-(-need // 256) * 256, threads=args.threads,
+               workdir=str(work), max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return run([args.llamacpp_python, str(HERE / "llamacpp_run.py")], cfg, LLAMACPP, work, env)
 
 
 def render(r: dict) -> str:
-    k, ll, c = r["kvcli"], r["llamacpp"], r["agreement"]
-    rows: list[tuple[str, str, str, str]] = []
+    names, cols, ref = r["modes"], r["results"], r["reference"]
+    tokens = next((c["document_tokens"] for c in cols.values() if "document_tokens" in c), "?")
+    ll = cols.get(LLAMACPP, {})
+    head = [label(n) + (f" ({ll['model_type']})" if n == LLAMACPP and "model_type" in ll else "") for n in names]
+    lines = ["| | " + " | ".join(head) + " |", "|---|" + "---:|" * len(names)]
 
-    def row(name: str, a: float | None, b: float | None, fmt: str, note: str = "") -> None:
-        ratio = f"{a / b:.2f}x" if a and b else ""
-        rows.append((name, fmt.format(a) if a is not None else "-", fmt.format(b) if b is not None else "-",
-                     ratio + (f"  {note}" if note else "")))
+    def row(title: str, get, fmt: str) -> None:
+        cells = []
+        for n in names:
+            c = cols[n]
+            try:
+                v = get(c, n)
+            except (KeyError, TypeError, ZeroDivisionError):
+                v = None
+            cells.append(("failed" if "error" in c else "-") if v is None else fmt.format(v) if not isinstance(v, str) else v)
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
 
-    bk, bl = k["batched"], ll["sequential"]
-    row("model load, s", k["load_s"], ll["load_s"], "{:.2f}")
-    row(f"prefill ({k['document_tokens']:,} tokens), s", k["prefill_s"], ll["prefill_s"] + ll["save_s"], "{:.2f}",
-        f"llama.cpp: eval {ll['prefill_s']:.2f} + state file {ll['save_s']:.2f}; kvcli: compute, compress, write")
-    row("size on disk, MB", k["bytes_on_disk"] / 1e6, ll["bytes_on_disk"] / 1e6, "{:.1f}",
-        f"llama.cpp: llama_state_save_file; its pickled save_state() is {ll['pickle_bytes_on_disk'] / 1e6:.1f} MB")
-    row("restore, s", k["restore_s"], ll["restore_s"], "{:.3f}",
-        f"pickled save_state() + load_state(): {ll['pickle_restore_s']:.3f} s")
-    row("first token after restore, s", k["first_token_s"], ll["one"]["first_token_s"], "{:.3f}", "question's forward + 1 token")
-    row("restore + first token, s", k["restore_s"] + k["first_token_s"], ll["restore_s"] + ll["one"]["first_token_s"], "{:.3f}")
-    row("decode, 1 question, ms/token", k["one"]["decode_ms_per_token"], ll["one"]["decode_ms_per_token"], "{:.1f}",
-        f"{c['one_question']['kvcli_tokens']} / {c['one_question']['llamacpp_tokens']} tokens")
-    n = c["batch"]["questions"]
-    row(f"{n} questions, total s", bk["wall_s"], bl["wall_s"], "{:.2f}",
-        f"kvcli ask_many ({bk['decoding']}) vs llama.cpp one after another; {bk['tokens']} / {bl['tokens']} tokens")
-    row(f"{n} questions, ms per answer token", 1000 * bk["wall_s"] / bk["tokens"], 1000 * bl["wall_s"] / bl["tokens"], "{:.1f}",
-        "questions' forwards included")
-    widths = [max(len(x[i]) for x in rows + [("", "kvcli", "llama.cpp", "")]) for i in range(3)]
-    lines = [f"{'':<{widths[0]}}  {'kvcli':>{widths[1]}}  {'llama.cpp':>{widths[2]}}  kvcli/llama.cpp"]
-    lines += [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {cc:>{widths[2]}}  {d}" for a, b, cc, d in rows]
-    one, batch = c["one_question"], c["batch"]
-    m = r["machine"]
-    lines += [
-        "",
-        f"same greedy tokens: 1 question: first {one['agree_leading_tokens']} of {one['kvcli_tokens']} agree"
-        f" ({'identical' if one['identical'] else 'then they part'}); {n} questions: {batch['identical_answers']} of {n}"
-        f" identical, leading tokens agreeing {batch['agree_leading_tokens']}"
-        + (" (kvcli: GGUF dequantized to float32" if k.get("weights", "float") == "float" else
-           " (kvcli: the Q4_1 codes with bfloat16 scales and activations")
-        + "; llama.cpp: Q4_1 weights, 8-bit activations, f16 KV: not expected to agree throughout)",
-        f"CPU: {m['cpu']['model']}, {m['cpu']['cores']} cores; flags: {' '.join(m['cpu']['flags']) or '-'}"
-        f"; threads: kvcli (torch) {k['threads']}, llama.cpp {ll['threads']}",
-        f"llama.cpp: llama-cpp-python {ll['version']}, n_ctx {ll['n_ctx']}, n_batch {ll['n_batch']}; {ll['system_info']}",
-        f"kvcli: {k['dtype']}, weights {k.get('weights', 'float')}; restore runs {', '.join(f'{x:.3f}' for x in k['restore_runs_s'])} s;"
-        f" llama.cpp restore runs {', '.join(f'{x:.3f}' for x in ll['restore_runs_s'])} s",
-        f"load average before {m['load_before']}, after {m['load_after']} (a shared machine makes every time noisy)",
-    ]
-    if max(m["load_before"][0], m["load_after"][0]) > m["cpu"]["cores"] and min(k["threads"], ll["threads"]) > 1:
-        lines.append(f"the load was above the {m['cpu']['cores']} cores: threads that wait for each other at every step "
-                     "(llama.cpp's most of all) lose their turn; --threads 1 measures each side more steadily")
-    return "\n".join(lines)
+    def agree(c: dict, n: str) -> list[tuple[int, int, bool]]:
+        mine = c["sequential"]["ids"] if n == LLAMACPP else c["answers"]
+        return [(common_prefix(a, b), len(a), a == b) for a, b in zip(cols[ref]["answers"], mine)]
+
+    row("model dtype", lambda c, n: "file's types, f16 KV" if n == LLAMACPP else c["dtype"], "{}")
+    row("model ready in a fresh process, s", lambda c, n: c["ready_s"], "{:.2f}")
+    row(f"prefill of the document ({tokens:,} tokens), s" if isinstance(tokens, int) else "prefill, s",
+        lambda c, n: c["prefill_s"] + c["save_s"] if n == LLAMACPP else c["prefill_s"], "{:.2f}")
+    row("on disk (cache folder / state file), MB", lambda c, n: c["bytes_on_disk"] / 1e6, "{:.1f}")
+    row("session open / restore (state load), s", lambda c, n: c["restore_s"], "{:.3f}")
+    row("first token from the cache (warm), s",
+        lambda c, n: c["one"]["first_token_s"] if n == LLAMACPP else c["first_token_s"], "{:.3f}")
+    row(f"decode, ms a token (median of {r['repeats']})",
+        lambda c, n: c["one"]["decode_ms_per_token"] if n == LLAMACPP else c["decode_ms_per_token"], "{:.1f}")
+    if r["generate"]:
+        row("transformers generate() decode, ms a token", lambda c, n: c["generate"]["decode_ms_per_token"], "{:.1f}")
+    row("peak memory (RSS), MB", lambda c, n: c["peak_rss_mb"], "{:.0f}")
+    n_q = len(r["questions"])
+    row(f"answers identical to {label(ref)}'s tokens", lambda c, n: f"{sum(s for _, _, s in agree(c, n))} of {n_q}", "{}")
+    row("common prefix, tokens, per question", lambda c, n: " ".join(f"{p}/{m}" for p, m, _ in agree(c, n)), "{}")
+
+    m, conv = r["machine"], r["convert"]
+    notes = [""]
+    if "already" in conv:
+        notes.append(f"first load (converts): already converted in {conv['already']} (--fresh-convert times it again)")
+    elif "error" in conv:
+        notes.append(f"first load (converts): failed: {conv['error']}")
+    else:
+        notes.append(f"first load (converts the GGUF once into a float32 folder{', in a temporary KVCLI_HOME' if conv['fresh_home'] else ''}):"
+                     f" {conv['ready_s']:.1f} s in a fresh process (kvcli.load {conv['load_s']:.1f} s)")
+    notes.append(f"model: {r['model']}; {n_q} questions, up to {r['max_new_tokens']} new tokens, greedy; agreement against "
+                 f"{label(ref)} (common prefix / its answer's length)")
+    for n in names:
+        c = cols[n]
+        if "error" in c:
+            notes.append(f"{label(n)}: failed: {c['error']}")
+        elif n == LLAMACPP:
+            notes.append(f"llama.cpp: llama-cpp-python {c['version']}, {c['model_type']}, n_ctx {c['n_ctx']}, n_batch {c['n_batch']}, "
+                         f"prefill = eval {c['prefill_s']:.2f} s + state file {c['save_s']:.2f} s; decode runs "
+                         f"{', '.join(f'{x:.1f}' for x in c['one']['decode_ms_per_token_runs'])} ms; {c['system_info']}")
+        else:
+            extra = [f"decode runs {', '.join(f'{x:.1f}' for x in c['decode_ms_per_token_runs'])} ms",
+                     f"restore runs {', '.join(f'{x:.3f}' for x in c['restore_runs'])} s"]
+            extra += [f"new folders under KVCLI_HOME: {', '.join(c['prepared'])}"] if c.get("prepared") else []
+            extra += ["generate() tokens " + ("identical" if c["generate"]["same_ids"] else "differ")] if "generate" in c else []
+            extra += [f"weights error {c['weights_error']}"] if c.get("weights_error") else []
+            extra += [c["warning"]] if c.get("warning") else []
+            notes.append(f"{label(n)}: " + "; ".join(extra))
+    threads = {c.get("threads") for c in cols.values() if c.get("threads")}
+    notes += [f"CPU: {m['cpu']['model']}, {m['cpu']['cores']} cores; flags: {' '.join(m['cpu']['flags']) or '-'}; "
+              f"threads {'/'.join(map(str, sorted(threads)))}",
+              f"load average before {m['load_before']}, after {m['load_after']} (a shared machine makes every time noisy)"]
+    return "\n".join(lines + notes)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a .gguf file (default: kvcli's default model file)")
+    ap.add_argument("--modes", default=None, help="comma list (default: float32, bfloat16, each --weights mode, llamacpp)")
+    ap.add_argument("--weights", help="one weights mode beside llama.cpp: --modes WEIGHTS,llamacpp (float: float32)")
     ap.add_argument("--doc", default=str(SAMPLES / "document.txt"))
-    ap.add_argument("--questions", type=int, default=8, help="batched questions (default 8)")
+    ap.add_argument("--tokens", type=int, default=None, help="the document's first N tokens only")
+    ap.add_argument("--questions", type=int, default=4, help="questions answered one after another (default 4)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3, help="restores (each with one question) per side; medians")
+    ap.add_argument("--repeats", type=int, default=3, help="restores (each with the first question) per mode; medians")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of each side (default: the CPU's cores)")
+    ap.add_argument("--generate", action="store_true", help="also transformers' generate() on each mode's model and cache")
+    ap.add_argument("--fresh-convert", action="store_true", help="time the GGUF's conversion even when it is already done")
     ap.add_argument("--llamacpp-python", default=os.environ.get("KVCLI_LLAMACPP_PYTHON")
                     or f"{os.environ.get('KVCLI_LLAMACPP_VENV', '/opt/kvcli-llamacpp-venv')}/bin/python")
-    ap.add_argument("--weights", choices=("float", "q4"), default="float", help="kvcli's weights (kvcli.load(weights=...))")
     ap.add_argument("--json", action="store_true", help="print the whole result as JSON instead of the table")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not Path(args.llamacpp_python).is_file():
+    if args.child:
+        return child(*args.child)
+    if args.model and Path(args.model).suffix != ".gguf":
+        sys.exit(f"bench_llamacpp: --model {args.model}: a .gguf file (llama.cpp runs the same file)")
+    names = modes(args.modes or (f"{args.weights.replace('float', 'float32')},{LLAMACPP}" if args.weights else None))
+    if LLAMACPP in names and not Path(args.llamacpp_python).is_file():
         sys.exit(f"bench_llamacpp: no llama.cpp python at {args.llamacpp_python}: run .ci/llamacpp-up "
-                 "(or set KVCLI_LLAMACPP_PYTHON)")
+                 f"(or set KVCLI_LLAMACPP_PYTHON), or leave {LLAMACPP} out of --modes")
+    from kvcli.engine.model.models import default_gguf_path
+    from kvcli.home import kvcli_home
+
+    gguf = str(Path(args.model).resolve()) if args.model else str(default_gguf_path())
     base = [q.strip() for q in (SAMPLES / "questions.txt").read_text().splitlines() if q.strip() and not q.startswith("#")]
     questions = ((base + EXTRA) * 4)[: args.questions]
-    result: dict = {"machine": {"cpu": cpu(), "load_before": [round(x, 2) for x in os.getloadavg()]},
-                    "questions": questions, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats}
+    kv = [n for n in names if n != LLAMACPP]
+    ref = "float32" if "float32" in kv else (kv[0] if kv else None)
+    if ref is None:
+        sys.exit("bench_llamacpp: --modes needs a kvcli mode (the prompt ids and the reference answers)")
+    result: dict = {"machine": {"cpu": cpu(), "load_before": [round(x, 2) for x in os.getloadavg()]}, "model": gguf,
+                    "modes": names, "reference": ref, "questions": questions, "max_new_tokens": args.max_new_tokens,
+                    "repeats": args.repeats, "tokens": args.tokens, "generate": args.generate, "results": {}}
     with tempfile.TemporaryDirectory(prefix="kvcli-bench-llamacpp-") as tmp:
-        result["kvcli"], prompt = run_kvcli(args, questions, Path(tmp))
-        result["llamacpp"] = run_llamacpp(args.llamacpp_python, prompt, args, Path(tmp))
+        work = Path(tmp)
+        result["convert"] = first_load(args, work)
+        doc, cut = args.doc, work / "doc" / Path(args.doc).name
+        home = kvcli_home() / "models"
+        for n in [ref] + [k for k in kv if k != ref]:  # the reference first: its cut document and ids serve the rest
+            weights, dtype = parse_mode(n)
+            before = set(os.listdir(home)) if home.is_dir() else set()
+            cfg = {"model": args.model, "weights": weights, "dtype": dtype, "name": n.replace("+", "-"), "workdir": tmp,
+                   "doc": str(cut) if cut.is_file() else doc, "tokens": None if cut.is_file() else args.tokens,
+                   "questions": questions, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                   "threads": args.threads, "generate": args.generate}
+            got = run([sys.executable, __file__, "--child"], cfg, cfg["name"], work)
+            got["prepared"] = sorted(set(os.listdir(home)) - before) if home.is_dir() else []  # one-time work inside "ready"
+            result["results"][n] = got
+        prompt = result["results"][ref].get("prompt")
+        for n in kv:
+            c = result["results"][n]
+            if "prompt" in c and prompt and c["prompt"] != prompt:
+                c["warning"] = "framed other prompt ids than the reference: its agreement compares other prompts"
+            c.pop("prompt", None)
+        if LLAMACPP in names:
+            result["results"][LLAMACPP] = (run_llamacpp(args, gguf, prompt, questions, work) if prompt
+                                           else {"error": "no prompt ids: the reference mode failed"})
     result["machine"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
-    result["agreement"] = compare(result["kvcli"], result["llamacpp"], len(questions))
     print(json.dumps(result) if args.json else render(result))
 
 

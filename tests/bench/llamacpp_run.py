@@ -3,9 +3,10 @@
     KVCLI_LLAMACPP_VENV/bin/python tests/bench/llamacpp_run.py CONFIG.json OUT.json
 
 CONFIG: {"gguf", "n_ctx", "threads", "workdir", "document_ids", "question_ids", "batch_ids", "eos_ids",
-"max_new_tokens", "repeats"}: the exact token ids kvcli framed (no tokenizing here). Greedy decoding by hand
-(argmax of the last logits, first index on ties), stopping at an id of eos_ids, as kvcli does. Imports only
-llama_cpp, numpy and the standard library. Writes timings, sizes and the answer ids to OUT.
+"max_new_tokens", "repeats", "t0"}: the exact token ids kvcli framed (no tokenizing here); t0, the parent's
+time.time() when it started this process ("ready" counts the interpreter, the imports and the load). Greedy
+decoding by hand (argmax of the last logits, first index on ties), stopping at an id of eos_ids, as kvcli does.
+Imports only llama_cpp, numpy and the standard library. Writes timings, sizes and the answer ids to OUT.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import pickle
+import resource
 import statistics
 import sys
 import time
@@ -32,7 +34,10 @@ def main() -> None:
     t = time.perf_counter()
     llm = Llama(model_path=cfg["gguf"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
                 logits_all=False, verbose=False)
-    out["load_s"] = time.perf_counter() - t
+    out["load_s"], out["ready_s"] = time.perf_counter() - t, time.time() - cfg["t0"]
+    desc = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(llm._model.model, desc, len(desc))  # "qwen2 1B Q4_K - Medium": the file's own type
+    out["model_type"] = desc.value.decode().split(" ", 2)[-1]
     out["n_ctx"], out["n_batch"], out["threads"] = llm.n_ctx(), llm.n_batch, cfg["threads"]
     ctx, n_vocab = llm._ctx.ctx, llm.n_vocab()
 
@@ -91,6 +96,8 @@ def main() -> None:
             raise SystemExit("the state file's token ids are not the document's")
         return took
 
+    restore()
+    answer(cfg["question_ids"], 2)  # warm-up, as kvcli's: not measured
     restores, runs = [], []
     for _ in range(cfg["repeats"]):
         restores.append(restore())
@@ -122,6 +129,7 @@ def main() -> None:
                          "tokens": sum(len(a["ids"]) for a in answers)}
     for p in (state, pickled):
         p.unlink()
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(sys.argv[2]).write_text(json.dumps(out))
 
 
