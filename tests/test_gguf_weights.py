@@ -136,3 +136,74 @@ def test_info_states_the_difference_from_the_file(gguf_cache):
 def test_a_folder_model_is_refused_before_any_weight_loads(tiny_model_dir):
     with pytest.raises(ModelError, match="--weights gguf runs a .gguf file's own low-bit weights"):
         kvcli.load(str(tiny_model_dir), weights="gguf")
+
+
+TYPES = {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q5_0", "gate_proj": "Q4_K",
+         "up_proj": "Q6_K", "down_proj": "Q5_1", "lm_head": "F16"}
+
+
+def _q6k_bytes(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random Q6_K blocks (gguf has no Q6_K quantizer): any codes and 8-bit scales, a finite float16 d last."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
+    blocks[..., 208:210] = np.float16(rng.uniform(1e-4, 1e-3, size=(rows, cols // 256))).view(np.uint8).reshape(rows, -1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory):
+    """A tiny llama and a GGUF file holding its linear layers in seven block types (and F16), the model's weights
+    set to what the file dequantizes to, as transformers' GGUF loading gives them."""
+    import gguf
+
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(320, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path_factory.mktemp("mixed") / "mixed.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            kind = TYPES[name.rsplit(".", 1)[-1]]
+            qtype = gguf.GGMLQuantizationType[kind]
+            rows, cols = module.weight.shape
+            if kind == "Q4_K":
+                raw = _q4k_bytes(rows, cols, seed=rows + cols)
+            elif kind == "Q6_K":
+                raw = _q6k_bytes(rows, cols, seed=rows + cols)
+            else:
+                raw = gguf.quants.quantize(module.weight.numpy(), qtype)
+            module.weight.copy_(torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)))
+            writer.add_tensor(f"{names.get_name(name)}.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, path
+
+
+def test_each_block_type_runs_on_the_nearest_kernel_with_its_difference_measured(mixed_gguf, tmp_path):
+    import copy
+
+    model, path = mixed_gguf
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 320, (1, 12))
+    report = gguf_weights.use_gguf(model, path, tmp_path / "kernels")
+    assert set(report) == {"Q4_0->int4", "Q4_1->int4", "Q4_K->int4", "Q8_0->int8", "Q5_0->int8", "Q6_K->int8",
+                           "Q5_1->int8", "F16->int8"}
+    assert all(e["layers"] == (1 if k == "F16->int8" else 2) for k, e in report.items())
+    kinds = {name.rsplit(".", 1)[-1]: type(m) for name, m in model.named_modules() if isinstance(m, (stored.Q4Linear, stored.Q8Linear))}
+    assert kinds == {p: (stored.Q4Linear if TYPES[p].startswith("Q4") else stored.Q8Linear) for p in TYPES}
+    for e in report.values():
+        assert 0 < e["mean_abs"] < 0.05 * e["mean_weight"], report
+    with torch.inference_mode():
+        got, want = model(ids).logits.float(), reference(ids).logits
+    assert torch.allclose(got, want, atol=0.1 * float(want.abs().max())), float((got - want).abs().max())
+    # a second load reads the kept kernel tensors, not the file
+    again = copy.deepcopy(reference)
+    path.rename(path.with_suffix(".moved"))
+    assert gguf_weights.use_gguf(again, path, tmp_path / "kernels") == report
+    with torch.inference_mode():
+        assert torch.equal(again(ids).logits, model(ids).logits)
