@@ -4,7 +4,7 @@ prompt ids (issues 25 and 46).
     .ci/llamacpp-up                       # once: llama-cpp-python built from source in a venv of its own
     nice python tests/bench/bench_llamacpp.py [--model FILE.gguf] [--modes float32,q8,bfloat16,llamacpp]
         [--tokens 2048] [--repeats 3] [--max-new-tokens 64] [--questions 4] [--doc samples/document.txt]
-        [--generate] [--fresh-convert] [--threads N] [--json]
+        [--generate] [--fresh-convert] [--threads N] [--busy N] [--json]
     nice python tests/bench/bench_llamacpp.py --tokens 512 --repeats 1 --max-new-tokens 16    # a quick look
     nice python tests/bench/bench_llamacpp.py --weights q4                # one mode beside llama.cpp: --modes q4,llamacpp
 
@@ -290,7 +290,8 @@ def render(r: dict) -> str:
     threads = {c.get("threads") for c in cols.values() if c.get("threads")}
     notes += [f"CPU: {m['cpu']['model']}, {m['cpu']['cores']} cores; flags: {' '.join(m['cpu']['flags']) or '-'}; "
               f"threads {'/'.join(map(str, sorted(threads)))}",
-              f"load average before {m['load_before']}, after {m['load_after']} (a shared machine makes every time noisy)"]
+              f"load average before {m['load_before']}, after {m['load_after']} (a shared machine makes every time noisy)"
+              + (f"; {m['busy']} busy-looping process(es) beside the whole run" if m.get("busy") else "")]
     return "\n".join(lines + notes)
 
 
@@ -309,6 +310,7 @@ def main() -> None:
     ap.add_argument("--fresh-convert", action="store_true", help="time the GGUF's conversion even when it is already done")
     ap.add_argument("--llamacpp-python", default=os.environ.get("KVCLI_LLAMACPP_PYTHON")
                     or f"{os.environ.get('KVCLI_LLAMACPP_VENV', '/opt/kvcli-llamacpp-venv')}/bin/python")
+    ap.add_argument("--busy", type=int, default=0, help="busy-looping processes beside the whole run")
     ap.add_argument("--json", action="store_true", help="print the whole result as JSON instead of the table")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -321,7 +323,6 @@ def main() -> None:
         sys.exit(f"bench_llamacpp: no llama.cpp python at {args.llamacpp_python}: run .ci/llamacpp-up "
                  f"(or set KVCLI_LLAMACPP_PYTHON), or leave {LLAMACPP} out of --modes")
     from kvcli.engine.model.models import default_gguf_path
-    from kvcli.home import kvcli_home
 
     gguf = str(Path(args.model).resolve()) if args.model else str(default_gguf_path())
     base = [q.strip() for q in (SAMPLES / "questions.txt").read_text().splitlines() if q.strip() and not q.startswith("#")]
@@ -333,6 +334,22 @@ def main() -> None:
     result: dict = {"machine": {"cpu": cpu(), "load_before": [round(x, 2) for x in os.getloadavg()]}, "model": gguf,
                     "modes": names, "reference": ref, "questions": questions, "max_new_tokens": args.max_new_tokens,
                     "repeats": args.repeats, "tokens": args.tokens, "generate": args.generate, "results": {}}
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]  # beside every side
+    result["machine"]["busy"] = args.busy
+    try:
+        measure(args, result, names, kv, ref, gguf, questions)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    result["machine"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(result) if args.json else render(result))
+
+
+def measure(args, result: dict, names: list[str], kv: list[str], ref: str, gguf: str, questions: list[str]) -> None:
+    """Each kvcli mode in a fresh process, then llama.cpp, into result["results"]."""
+    from kvcli.home import kvcli_home
+
     with tempfile.TemporaryDirectory(prefix="kvcli-bench-llamacpp-") as tmp:
         work = Path(tmp)
         result["convert"] = first_load(args, work)
@@ -357,8 +374,6 @@ def main() -> None:
         if LLAMACPP in names:
             result["results"][LLAMACPP] = (run_llamacpp(args, gguf, prompt, questions, work) if prompt
                                            else {"error": "no prompt ids: the reference mode failed"})
-    result["machine"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(result) if args.json else render(result))
 
 
 if __name__ == "__main__":
