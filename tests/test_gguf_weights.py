@@ -51,7 +51,8 @@ def test_the_int4_kernel_runs_the_codes_with_bfloat16_scales():
     rows, cols = 64, 256
     raw = _q4k_bytes(rows, cols, seed=3)
     codes, scale, add = gguf_weights.q4_codes(torch.from_numpy(raw.copy()), "Q4_K", rows, cols)
-    packed, sz, runs = gguf_weights._pack(codes, scale, add)
+    sz, runs = gguf_weights._scales_zeros(codes, scale, add)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     file_w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(rows, cols))
     # the kernel's weights differ from the file's only by the bfloat16 rounding of scale and zero
     assert float((runs - file_w).abs().max()) <= 2 ** -7 * float(file_w.abs().max()) * 4

@@ -66,7 +66,7 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout: float
 def _one_row_eager(query, attention_mask, dropout, kwargs) -> bool:
     """A decoding step's query (one row) in bfloat16 or float16 on the CPU, with nothing but the keys to attend:
     torch's flash kernel takes 7x (1,024 keys) to 20x (8,192) the time of the plain products there
-    (docs/performance.md, "bfloat16 decode")."""
+    (docs/performance.md, "Compute dtype: float32 against bfloat16")."""
     import torch
 
     return (query.shape[2] == 1 and query.dtype in (torch.bfloat16, torch.float16) and query.device.type == "cpu"

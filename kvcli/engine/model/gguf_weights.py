@@ -59,14 +59,13 @@ def q4_weights(codes: torch.Tensor, scale: torch.Tensor, add: torch.Tensor) -> t
     return w.reshape(rows, cols)
 
 
-def _pack(codes: torch.Tensor, scale: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The int4 kernel's form of w = scale * q + add: packed codes [rows, cols/2], scales and zeros [cols/32, rows, 2]
-    bfloat16, and the weights it runs [rows, cols] float32."""
+def _scales_zeros(codes: torch.Tensor, scale: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 kernel's scales and zeros for w = scale * q + add ([cols/32, rows, 2] bfloat16, as stored._pack_q4
+    makes them from Q4_1's d and m), and the weights the kernel then runs [rows, cols] float32."""
     rows, cols = codes.shape
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     sz = torch.stack([scale.t(), (add + 8 * scale).t()], dim=-1).to(torch.bfloat16).contiguous()
     runs = (codes.reshape(rows, cols // 32, 32).float() - 8) * sz[..., 0].t().float()[..., None] + sz[..., 1].t().float()[..., None]
-    return packed, sz, runs.reshape(rows, cols)
+    return sz, runs.reshape(rows, cols)
 
 
 def _file_weights(tensor: Any, rows: int, cols: int) -> torch.Tensor:
@@ -146,7 +145,7 @@ def _kernel_tensors(model: Any, gguf_path: Path) -> tuple[dict[str, torch.Tensor
             else:
                 codes, d, m = stored.quantize_q4(file_w)
                 codes, scale, add = codes, d.float(), m.float()
-            _, sz, runs = _pack(codes, scale, add)
+            sz, runs = _scales_zeros(codes, scale, add)
             out[f"{name}.int4"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
             out[f"{name}.int4sz"] = sz
             errors.add(kind, "int4", runs, file_w)
