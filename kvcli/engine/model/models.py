@@ -314,7 +314,7 @@ def load(
     "q8", "q4" or "gguf" (engine/model/stored.py, gguf_weights.py); None takes the source's own (a cache's recorded source)."""
     source = dict(source) if source is not None else resolve(model, revision=revision)
     args = hub.load_args(source)  # before torch is imported
-    from . import attention, linear, stored
+    from . import attention, gguf_weights, linear, stored
     from .paging import page_in
     from ..cache import layers
 
@@ -336,10 +336,12 @@ def load(
     fp = fingerprint(lm, tok, _weight_files(source, where), kvcli_home() / "fingerprints")  # of the weights as read
     if mode != "float":  # recorded: a cache of this arithmetic is refused by the other
         gguf = source["kind"] in ("default", "gguf")  # q4 then runs the file's own 4-bit codes
-        error = stored.use(lm, mode, Path(source["path"]) if gguf else None, gguf_folders(source["sha256"])[0] if gguf else None)
+        path, folder = (Path(source["path"]), gguf_folders(source["sha256"])[0]) if gguf else (None, None)
+        if mode == "gguf":  # each layer on the kernel nearest its type in the file (check_mode: a GGUF source)
+            fp["weights_error"] = gguf_weights.use_gguf(lm, path, folder.with_name(folder.name + "-gguf"))
+        else:
+            stored.use(lm, mode, path, folder)
         source["weights"] = fp["weights"] = mode
-        if error:  # per file type: how far the kernels' weights are from the file's
-            fp["weights_error"] = error
     linear.use_split_linears(lm)
     page_in(lm)
     return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fp)

@@ -313,14 +313,9 @@ def use_q8(model: Any) -> None:
                 model.set_submodule(name, Q8Linear(*quantize_q8(module.weight), bias))
 
 
-def use(model: Any, mode: str, gguf_path: Path | None, gguf_folder: Path | None) -> dict[str, Any] | None:
-    """Run `model`'s linear layers in `mode` ("q8", "q4" or "gguf"), in place; q4 on a GGUF file (`gguf_path`,
-    converted into `gguf_folder`) runs its own Q4_1 codes, kept beside that folder; gguf runs each layer on the
-    kernel nearest its type in the file and returns the weights' difference from the file's (gguf_weights.py)."""
-    if mode == "gguf":
-        from .gguf_weights import use_gguf
-
-        return use_gguf(model, gguf_path, gguf_folder.with_name(gguf_folder.name + "-gguf") if gguf_folder is not None else None)
+def use(model: Any, mode: str, gguf_path: Path | None, gguf_folder: Path | None) -> None:
+    """Run `model`'s linear layers in `mode` ("q8" or "q4"), in place; q4 on a GGUF file (`gguf_path`, converted
+    into `gguf_folder`) runs its own codes, kept beside that folder. ("gguf": gguf_weights.use_gguf.)"""
     if mode == "q8":
         use_q8(model)
     else:
