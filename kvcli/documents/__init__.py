@@ -14,9 +14,9 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 from ..errors import DocumentError, UsageError
-from .base import MAX_DOCUMENT_BYTES, Document
+from .base import MAX_DOCUMENT_BYTES, Document, describe
 
-__all__ = ["MAX_DOCUMENT_BYTES", "Document", "TEXT_EXTENSIONS", "DOCUMENT_EXTENSIONS", "decode", "from_bytes", "read",
+__all__ = ["MAX_DOCUMENT_BYTES", "Document", "describe", "TEXT_EXTENSIONS", "DOCUMENT_EXTENSIONS", "decode", "from_bytes", "read",
            "check_encoding", "cache_name"]
 _WIDE = ("utf-16", "utf16", "utf-32", "utf32", "ucs-2", "ucs2", "ucs-4", "ucs4")  # where NUL bytes are normal
 # Control characters that never appear in text (tab, newlines, form feed and ESC of coloured logs do).

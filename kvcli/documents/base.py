@@ -35,6 +35,22 @@ class Document:
     pages: int | None = None  # a PDF's pages
     sections: int | None = None  # headings kept (HTML, DOCX, EPUB, PDF outline not counted)
 
+    def same_source(self, record: dict) -> bool:
+        """Whether a manifest's document record holds this document: the same bytes, read as the same format by the
+        same converter and version (a newer converter may make other text, so its caches are rebuilt)."""
+        return (record.get("sha256") == self.sha256 and record.get("format", "text") == self.format
+                and record.get("converter") == self.converter)
+
+    def grew_from(self, record: dict) -> bool:
+        """Whether a manifest's document is a proper start of this one's text (the same document, grown: pages or
+        chapters added), read as the same format by the same converter. A text document's digest is its bytes'."""
+        import hashlib
+
+        chars = record.get("chars", 0)
+        if not 0 < chars < len(self.text) or record.get("format", "text") != self.format or record.get("converter") != self.converter:
+            return False
+        return hashlib.sha256(self.text[:chars].encode("utf-8")).hexdigest() == record.get("text_sha256", record.get("sha256"))
+
     def record(self) -> dict:
         """The manifest's document record; a text document's is what it always was, so its caches stay up to date."""
         name = Path(self.name).name if self.name != "-" else "-"
@@ -45,6 +61,16 @@ class Document:
             record.update(format=self.format, converter=self.converter, text_sha256=hashlib.sha256(self.text.encode("utf-8")).hexdigest())
             record.update({k: v for k, v in (("pages", self.pages), ("sections", self.sections)) if v is not None})
         return record
+
+
+def describe(record: dict) -> str:
+    """A document record's format and structure in words ("pdf, 12 pages", "html, 4 sections"); "" for plain text."""
+    fmt = record.get("format", "text")
+    if fmt == "text":
+        return ""
+    counts = [f"{n:,} {what}{'' if n == 1 else 's'}" for what, n in (("page", record.get("pages")), ("section", record.get("sections")))
+              if n is not None]
+    return ", ".join([fmt, *counts])
 
 
 def tidy(text: str) -> str:
