@@ -21,7 +21,7 @@ def convert(data: bytes, name: str, sha256: str) -> Document:
     except ImportError:
         raise missing_extra(name, "PDF") from None
     if b"%%EOF" not in data[-4096:]:  # pypdf would read what is there and say nothing of the pages lost
-        raise DocumentError(f"{name}: a truncated PDF (no %EOF at its end); download or copy it again")
+        raise DocumentError(f"{name}: a truncated PDF (no %%EOF at its end); download or copy it again")
     logging.getLogger("pypdf").setLevel(logging.ERROR)  # its warnings about odd fonts are not the user's business
     try:
         with warnings.catch_warnings():
