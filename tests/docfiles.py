@@ -39,12 +39,13 @@ def pdf(pages: list[list[str]], *, text_layer: bool = True) -> bytes:
     return out.getvalue()
 
 
-def encrypted_pdf(pages: list[list[str]], password: str = "secret") -> bytes:
-    """The same PDF encrypted with a user password (pypdf writes it; RC4 needs no other package)."""
+def encrypted_pdf(pages: list[list[str]], password: str = "secret", algorithm: str = "RC4-128") -> bytes:
+    """The same PDF encrypted with a user password ("" opens it: only printing or copying is restricted); pypdf
+    writes it (AES with the cryptography package, which the documents extra brings)."""
     import pypdf
 
     writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(io.BytesIO(pdf(pages))))
-    writer.encrypt(user_password=password, owner_password="owner", algorithm="RC4-128")
+    writer.encrypt(user_password=password, owner_password="owner", algorithm=algorithm)
     out = io.BytesIO()
     writer.write(out)
     return out.getvalue()

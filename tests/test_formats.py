@@ -108,6 +108,12 @@ def test_encrypted_pdf_is_refused():
     assert "encrypted PDF that needs a password" in refusal(docfiles.encrypted_pdf(pages(1)), "locked.pdf")
 
 
+def test_pdf_restricted_with_an_empty_password_is_read():
+    for algorithm in ("RC4-128", "AES-256"):
+        doc = documents.from_bytes(docfiles.encrypted_pdf(pages(1), password="", algorithm=algorithm), "restricted.pdf")
+        assert doc.pages == 1 and FACT in doc.text
+
+
 def test_pdf_without_text_layer_suggests_ocr():
     message = refusal(docfiles.pdf([["x"], ["y"]], text_layer=False), "scan.pdf")
     assert "no text layer" in message and "scanned" in message and "OCR" in message

@@ -27,8 +27,8 @@ def convert(data: bytes, name: str, sha256: str) -> Document:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             reader = pypdf.PdfReader(io.BytesIO(data), strict=False)
-            if reader.is_encrypted and not _opened(reader, FileNotDecryptedError, DependencyError):
-                raise DocumentError(f"{name}: encrypted PDF that needs a password; save an unencrypted copy (e.g. qpdf --decrypt)")
+            if reader.is_encrypted:
+                _open(reader, name, FileNotDecryptedError, DependencyError)
             count = len(reader.pages)
             if count > MAX_PAGES:
                 raise DocumentError(f"{name}: {count:,} pages, more than the {MAX_PAGES:,} kvcli reads")
@@ -54,9 +54,13 @@ def convert(data: bytes, name: str, sha256: str) -> Document:
                     converter=f"kvcli-pdf/{VERSION} pypdf/{pypdf.__version__}", pages=count)
 
 
-def _opened(reader, not_decrypted: type, dependency: type) -> bool:
-    """Open a PDF encrypted with an empty user password (printing or copying restricted); False if it needs one."""
+def _open(reader, name: str, not_decrypted: type, dependency: type) -> None:
+    """Open a PDF encrypted with an empty user password (printing or copying restricted); refuse one that needs a password."""
     try:
-        return bool(reader.decrypt(""))
-    except (not_decrypted, dependency, NotImplementedError):
-        return False
+        if reader.decrypt(""):
+            return
+    except dependency:  # AES without the cryptography package (pypdf[crypto], in the documents extra)
+        raise DocumentError(f"{name}: encrypted with AES, which needs the cryptography package: pip install 'kvcli[documents]'") from None
+    except (not_decrypted, NotImplementedError):
+        pass
+    raise DocumentError(f"{name}: encrypted PDF that needs a password; save an unencrypted copy (e.g. qpdf --decrypt)")
