@@ -129,6 +129,26 @@ def test_damaged_pdf_is_refused():
     assert "a damaged or truncated PDF" in refusal(data, "broken.pdf")
 
 
+def test_a_huge_page_is_refused(monkeypatch):
+    from kvcli.documents import base
+
+    monkeypatch.setattr(base, "MAX_PAGE_CHARS", 200)  # the bound, lowered to the size of a test page
+    assert "page 2 holds more than 200 characters of text" in refusal(docfiles.pdf([["short"], ["x" * 90] * 3]), "huge.pdf")
+
+
+def test_a_pdf_of_too_many_pages_is_refused_before_reading_them(monkeypatch):
+    monkeypatch.setattr(pdf_reader, "MAX_PAGES", 2)
+    assert "3 pages, more than the 2 kvcli reads" in refusal(docfiles.pdf(pages()), "long.pdf")
+
+
+def test_an_epub_declaring_entities_is_refused():
+    data = docfiles.epub([("One", "<p>x</p>")])
+    bad = docfiles._zip([("mimetype", "application/epub+zip"),
+                         ("META-INF/container.xml", '<?xml version="1.0"?><!DOCTYPE c [<!ENTITY a "aaaaaaaa">]><container/>')])
+    assert documents.from_bytes(data, "ok.epub").text == "x"
+    assert "declares a DTD or entities" in refusal(bad, "laughs.epub")
+
+
 @pytest.mark.parametrize("data, name, says", [
     (docfiles.docx([("Normal", "x")]), "report.pdf", "the name says a PDF but the content is a Word (DOCX) file"),
     (docfiles.pdf([["x"]]), "notes.txt", "the name says text but the content is a PDF"),
