@@ -160,6 +160,8 @@ def test_an_extension_that_lies_is_refused(data, name, says):
 
 def test_content_decides_when_the_name_says_nothing():
     assert documents.from_bytes(docfiles.pdf(pages(1)), "download").format == "pdf"
+    assert documents.from_bytes(b"<!DOCTYPE html><html><body><h1>Hi</h1></body></html>", "https://host/page").format == "html"
+    assert documents.from_bytes(b"A PDF starts with %PDF-1.7 and ends with %%EOF.\n", "notes").format == "text"
 
 
 def test_zip_bomb_is_refused_before_anything_is_unpacked():

@@ -54,17 +54,21 @@ def from_bytes(data: bytes, name: str, encoding: str = "utf-8") -> Document:
 
 def _html(data: bytes, name: str, encoding: str, sha256: str) -> Document:
     from . import markup
-    from .base import MAX_TEXT_CHARS, Budget
+    from .base import MAX_TEXT_CHARS, Budget, tidy
 
     try:
         raw = _text(data, name, encoding)
-    except DocumentError:  # the page declares another charset than --encoding: read it as it says
+    except DocumentError as first:  # the page declares another charset than --encoding: read it as it says
         declared = markup.charset(data)
         if declared is None or declared.lower().replace("_", "-") == encoding.lower().replace("_", "-"):
             raise
-        raw = _text(data, name, declared)
+        try:
+            raw = _text(data, name, declared)
+        except DocumentError:
+            raise first from None
     budget = Budget(name, "piece")
     text, headings = markup.to_text(raw, check=lambda: budget.take("", 0))  # the time limit, between pieces
+    text = tidy(text)
     if len(text) > MAX_TEXT_CHARS:
         raise DocumentError(f"{name}: more than {MAX_TEXT_CHARS:,} characters of text")
     return _checked(Document(name=name, text=text, sha256=sha256, format="html", converter=f"kvcli-html/{markup.VERSION}",

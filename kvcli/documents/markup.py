@@ -136,7 +136,7 @@ def to_text(html: str, web: bool = True, check: Callable[[], None] | None = None
         everything = sum(len(b[1]) for b in blocks)
         for scope in (2, 3):  # <main>, then <article>: used when it holds a fair part of the page's text
             chosen = [b for b in blocks if b[scope]]
-            if sum(len(b[1]) for b in chosen) >= min(500, everything // 4):
+            if chosen and sum(len(b[1]) for b in chosen) >= min(500, everything // 4):
                 blocks = chosen
                 break
     lines: list[str] = []

@@ -27,7 +27,7 @@ def extension(name: str) -> str:
 def detect(data: bytes, name: str) -> str:
     """'pdf', 'docx', 'epub', 'html' or 'text'. The content decides; an extension that names another format is refused."""
     ext = extension(name)
-    found = _by_content(data, name)
+    found = _by_content(data, name, ext)
     said = BINARY_EXTENSIONS.get(ext) or ("html" if ext in HTML_EXTENSIONS else "text" if ext in TEXT_LIKE else None)
     if found in ("pdf", "docx", "epub", "zip"):
         if said is not None and said != found:
@@ -47,8 +47,11 @@ def detect(data: bytes, name: str) -> str:
 _MAGIC_NAMES = {"pdf": "%PDF- header", "docx": "zip header", "epub": "zip header"}
 
 
-def _by_content(data: bytes, name: str) -> str:
-    if data[:1024].find(b"%PDF-") >= 0:  # some writers put a few bytes before the header; readers accept up to 1 KiB
+def _by_content(data: bytes, name: str, ext: str) -> str:
+    at = data[:1024].find(b"%PDF-")
+    # the header first (after blanks), or later in the first KiB of a file named .pdf (readers accept a few bytes of junk
+    # before it); a text that merely mentions "%PDF-" stays text
+    if at >= 0 and (not data[:at].strip() or ext == ".pdf"):
         return "pdf"
     if data.startswith(b"PK\x03\x04"):
         return _zip_kind(data, name)
