@@ -14,7 +14,7 @@ from .options import DtypeOpt, EncodingOpt, FramingOpt, JsonOpt, ModelOpt, Quiet
 
 @command
 def count(
-    docs: Annotated[list[str], typer.Argument(metavar="DOC", help="Document files ('-' reads stdin).", show_default=False)],
+    docs: Annotated[list[str], typer.Argument(metavar="DOC", help="Document files: text, PDF, HTML, DOCX or EPUB ('-' reads stdin).", show_default=False)],
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     system: SystemOpt = None,

@@ -19,7 +19,7 @@ from .options import DeviceOpt, DtypeOpt, EncodingOpt, FramingOpt, JsonOpt, Mode
 
 @command
 def prefill(
-    docs: Annotated[Optional[list[str]], typer.Argument(metavar="DOC", help="Document files or URLs ('-' reads stdin and needs -o).", show_default=False)] = None,
+    docs: Annotated[Optional[list[str]], typer.Argument(metavar="DOC", help="Document files or URLs: text, PDF, HTML, DOCX or EPUB ('-' reads stdin and needs -o).", show_default=False)] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="PATH", help="Cache path (one document) or folder (several; created if missing), or an object-store URL (s3://bucket/prefix/). "
                                                                                        f"Default: beside DOC, named DOC with a document extension ({', '.join(DOCUMENT_EXTENSIONS)}) replaced by .kv, "
                                                                                        "any other name kept whole (MPL-2.0 -> MPL-2.0.kv).")] = None,
