@@ -14,7 +14,7 @@ from .options import DtypeOpt, EncodingOpt, FramingOpt, JsonOpt, ModelOpt, Quiet
 
 @command
 def count(
-    docs: Annotated[list[str], typer.Argument(metavar="DOC", help="Document files ('-' reads stdin).", show_default=False)],
+    docs: Annotated[list[str], typer.Argument(metavar="DOC", help="Document files: text, PDF, HTML, DOCX or EPUB ('-' reads stdin).", show_default=False)],
     model: ModelOpt = None,
     revision: RevisionOpt = None,
     system: SystemOpt = None,
@@ -48,7 +48,8 @@ def count(
         table = Table("document", "tokens", "cache raw", "on disk (est.)", "room left", "prefill (est.)")
         for c in counts:
             room = "-" if c.room is None else (f"{c.room:,}" if c.fits else Text(f"{c.room:,} (too long)", style="red"))
-            table.add_row(Text(c.document), f"{c.tokens:,}", human_bytes(c.bytes_raw), human_bytes(c.bytes_on_disk_estimate),
+            shape = documents.describe({"format": c.format, "pages": c.pages, "sections": c.sections})
+            table.add_row(Text(c.document + (f" ({shape})" if shape else "")), f"{c.tokens:,}", human_bytes(c.bytes_raw), human_bytes(c.bytes_on_disk_estimate),
                           room, _seconds(c.prefill_s_estimate, c.prefill_s_error))
         out.table(table)
     limit = f"{counter.max_positions:,} positions" if counter.max_positions else "no position limit"

@@ -47,7 +47,12 @@ def info(
     head = Table.grid(padding=(0, 2))
     for key in ("path", "model", "model_type", "num_tokens", "dtype", "num_layers", "created"):
         head.add_row(key, Text(str(s[key])))
-    head.add_row("document", Text(f"{m.document.get('name')} ({m.document.get('chars'):,} chars)"))
+    from ..documents import describe
+
+    shape = describe(m.document)
+    head.add_row("document", Text(f"{m.document.get('name')} ({m.document.get('chars'):,} chars" + (f"; {shape})" if shape else ")")))
+    if m.document.get("converter"):
+        head.add_row("converted by", Text(str(m.document["converter"])))
     head.add_row("framing", Text(f"{m.framing.get('kind')}" + (f", system: {m.framing['system']!r}" if m.framing.get("system") else "")))
     head.add_row("size", f"{human_bytes(s['bytes_on_disk'])} on disk, {human_bytes(s['bytes_raw'])} raw ({s['ratio']:.1%})")
     prov = s["provenance"]

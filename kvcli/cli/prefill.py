@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import served
-from ..documents import TEXT_EXTENSIONS
+from ..documents import DOCUMENT_EXTENSIONS
 from ..errors import UsageError
 from .output import Output
 from .rendering import PrefillRenderer
@@ -19,9 +19,9 @@ from .options import DeviceOpt, DtypeOpt, EncodingOpt, FramingOpt, JsonOpt, Mode
 
 @command
 def prefill(
-    docs: Annotated[Optional[list[str]], typer.Argument(metavar="DOC", help="Document files or URLs ('-' reads stdin and needs -o).", show_default=False)] = None,
+    docs: Annotated[Optional[list[str]], typer.Argument(metavar="DOC", help="Document files or URLs: text, PDF, HTML, DOCX or EPUB ('-' reads stdin and needs -o).", show_default=False)] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="PATH", help="Cache path (one document) or folder (several; created if missing), or an object-store URL (s3://bucket/prefix/). "
-                                                                                       f"Default: beside DOC, named DOC with a text extension ({', '.join(TEXT_EXTENSIONS)}) replaced by .kv, "
+                                                                                       f"Default: beside DOC, named DOC with a document extension ({', '.join(DOCUMENT_EXTENSIONS)}) replaced by .kv, "
                                                                                        "any other name kept whole (MPL-2.0 -> MPL-2.0.kv).")] = None,
     from_list: Annotated[Optional[str], typer.Option("--from-list", metavar="FILE", help="File listing documents (paths or URLs), one per line ('-' for stdin); caches already up to date are skipped.")] = None,
     shard: Annotated[Optional[str], typer.Option("--shard", metavar="I/N", help="Take share I of N of the list (I/N, from 0; default: the Slurm array task, or JOB_COMPLETION_INDEX of KVCLI_SHARD_COUNT).")] = None,

@@ -92,6 +92,7 @@ class DocResult:
     computed_tokens: int | None = None  # tokens run through the model (fewer when it extends a cache)
     extended_from: int | None = None  # "extended": the tokens of the cache of the shorter document it replaced
     base: str | None = None  # the cache it extends (prefill --after), as given
+    format: str | None = None  # the document's format ("text", "pdf", "html", "docx", "epub"); None if it was not read
     index: int = field(default=0, compare=False)  # the job's place in the run (not in the record)
     exc: BaseException | None = field(default=None, compare=False, repr=False)  # a failure, for a caller that raises it
 
@@ -100,7 +101,7 @@ class DocResult:
                 "compute_s": round(self.compute_s, 4), "write_s": round(self.write_s, 4), "bytes_raw": self.bytes_raw,
                 "bytes_on_disk": self.bytes_on_disk, "storage": self.storage, "seconds": round(self.seconds, 3),
                 "computed_tokens": self.computed_tokens, "extended_from": self.extended_from, "base": self.base,
-                "error": self.error, "served": served}
+                "error": self.error, "format": self.format, "served": served}
 
 
 AFTER = " --after "  # a list line `DOC --after CACHE`: the document's cache extends CACHE
@@ -194,7 +195,7 @@ def up_to_date(m: mf.Manifest, lm: LoadedModel, document: Document, framing: dic
     if (m.base is None) != (after is None) or (after is not None and (where is None or not _same_path(
             chain.base_path(where, m.base["path"]), Path(after)))):
         return False
-    return m.document.get("sha256") == document.sha256 and pf.same_setup(m, lm, framing, kv_bits)
+    return document.same_source(m.document) and pf.same_setup(m, lm, framing, kv_bits)
 
 
 def _same_path(a: Path, b: Path) -> bool:
@@ -357,4 +358,5 @@ def _done(job: Job, index: int, status: str, m: mf.Manifest, t0: float, r: pf.Pr
     return DocResult(job.document, job.target.name, "extended" if r is not None and r.grown_from is not None else status,
                      m.num_tokens, r.compute_s if r else 0.0, r.write_s if r else 0.0, m.bytes_raw, m.bytes_stored, m.storage,
                      time.perf_counter() - t0, computed_tokens=r.computed if r else None,
-                     extended_from=r.grown_from if r else None, base=after if m.base else None, index=index)
+                     extended_from=r.grown_from if r else None, base=after if m.base else None, index=index,
+                     format=m.document.get("format", "text"))

@@ -40,6 +40,9 @@ class Count:
     prefill_s_basis: str  # "N prefills on this machine", or the rough curve (engine/throughput.py)
     prefill_s_error: float | None  # relative spread of those records around the estimate (3 or more records)
     prefill_s_reason: str | None  # why no estimate is stated (None when one is)
+    format: str = "text"  # the document's format ("text", "pdf", "html", "docx", "epub")
+    pages: int | None = None  # a PDF's pages
+    sections: int | None = None  # headings kept (HTML, DOCX, EPUB)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,7 +101,8 @@ class Counter:
                      bytes_on_disk_estimate=round(raw * DISK_RATIO[self.dtype]), max_positions=self.max_positions,
                      room=room, fits=too_long(document.name, n, self.max_positions) is None,
                      prefill_s_estimate=None if est.withheld else est.seconds, prefill_s_basis=est.basis,
-                     prefill_s_error=est.error, prefill_s_reason=est.withheld)
+                     prefill_s_error=est.error, prefill_s_reason=est.withheld, format=document.format, pages=document.pages,
+                     sections=document.sections)
 
 
 def fit_check(model: str | None = None, *, revision: str | None = None, framing: str = "auto", system: str | None = None,

@@ -59,12 +59,8 @@ def same_setup(m: mf.Manifest, lm: LoadedModel, framing: dict, kv_bits: int | No
 
 def grew(m: mf.Manifest, document: Document) -> bool:
     """Whether the cache's document is a proper prefix of this one (its text, as UTF-8, hashes to the
-    cache's document digest): the same document, grown."""
-    import hashlib
-
-    chars = m.document.get("chars", 0)
-    return 0 < chars < len(document.text) and (
-        hashlib.sha256(document.text[:chars].encode("utf-8")).hexdigest() == m.document.get("sha256"))
+    cache's document digest, of the same format and converter): the same document, grown."""
+    return document.grew_from(m.document)
 
 
 def document_token_ids(lm: LoadedModel, document: Document, framing: fr.Framing) -> list[int]:

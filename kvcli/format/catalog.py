@@ -33,7 +33,7 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "compression": m.compression,
         "storage": m.storage,
         "framing": {k: m.framing.get(k) for k in ("kind", "system")},
-        "document": m.document,
+        "document": {**m.document, "format": m.document.get("format", "text")},  # text caches record none: text
         "created": m.created,
         "kvcli_version": m.kvcli_version,
         "transformers_version": m.transformers_version,

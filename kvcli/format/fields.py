@@ -66,3 +66,21 @@ def shape_field(obj: dict, key: str, where: str) -> tuple[int, ...]:
 
 def numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
+
+
+DOCUMENT_FORMATS = ("text", "html", "pdf", "docx", "epub")
+_HEX256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def document_record(document: dict, where: str) -> None:
+    """The manifest's document record: digest, length and name; a converted document's format, converter, digest of
+    its text, pages and headings (kvcli/documents/)."""
+    str_field(document, "document.sha256", where, pattern=_HEX256)
+    int_field(document, "document.chars", where, 0, 1 << 40)
+    str_field(document, "document.name", where, optional=True)
+    if str_field(document, "document.format", where, optional=True) not in (None, *DOCUMENT_FORMATS):
+        raise bad(where, "unknown document format")
+    str_field(document, "document.converter", where, optional=True)
+    str_field(document, "document.text_sha256", where, pattern=_HEX256, optional=True)
+    int_field(document, "document.pages", where, 0, 1 << 40, optional=True)
+    int_field(document, "document.sections", where, 0, 1 << 40, optional=True)

@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import CacheVersionError, UsageError
 from . import chain, payload
 from .dtypes import ITEM_SIZES
-from .fields import MAX_DIM, bad, get_field, int_field, numel, shape_field, str_field
+from .fields import MAX_DIM, bad, document_record, get_field, int_field, numel, shape_field, str_field
 
 FORMAT_NAME = "kvcli-cache"
 FORMAT_VERSION = 3  # what kvcli writes: shards hashed with BLAKE3, lossless or quantized (compression.quant)
@@ -240,9 +240,7 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
     str_field(framing, "framing.template_sha256", where, pattern=_SHA256, optional=True)
     _framing_cut(framing, len(get_field(body, "token_ids", list, where)), where)
     document = body["document"]
-    str_field(document, "document.sha256", where, pattern=_SHA256)
-    int_field(document, "document.chars", where, 0, 1 << 40)
-    str_field(document, "document.name", where, optional=True)
+    document_record(document, where)
     compression = body["compression"]
     if compression.get("codec") != "zstd" or compression.get("transform", "none") not in ("none", "byteplane"):
         raise bad(where, "unknown compression")

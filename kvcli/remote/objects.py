@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import READ_ONLY_SCHEMES, redact, scheme
-from ..documents import MAX_DOCUMENT_BYTES, Document, decode
+from ..documents import MAX_DOCUMENT_BYTES, Document, from_bytes
 from ..errors import CacheExistsError, CacheMissingError, DocumentError, KvcliError, UsageError, extra_hint
 from ..format import manifest as mf
 
@@ -94,11 +94,11 @@ def _basename(key: str) -> str:
 
 
 def read_document(entry: str, encoding: str = "utf-8") -> Document:
-    """A document from a URL (fetched whole, bounded), checked like a local one."""
+    """A document from a URL (fetched whole, bounded), checked and converted like a local one."""
     data = read_bytes(entry, MAX_DOCUMENT_BYTES, missing=DocumentError, what="no such document")
     if len(data) > MAX_DOCUMENT_BYTES:
         raise DocumentError(f"{redact(entry)}: larger than {MAX_DOCUMENT_BYTES // (1024 * 1024)} MiB")
-    return decode(data, redact(entry), encoding)
+    return from_bytes(data, redact(entry), encoding)
 
 
 def upload(local: Path, url: str, *, force: bool) -> None:
