@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+BUSY = "import os, sys\nwhile os.getppid() == int(sys.argv[1]): pass"  # a busy loop that ends with the benchmark, killed or not
 SAMPLES = HERE.parents[1] / "samples"
 WORK = HERE / ".bench-decode"
 QUESTION = "What does the word Licensor mean in this license?"
@@ -189,7 +190,7 @@ def main() -> None:
         ms, ids = way()
         print(json.dumps({"ms": ms, "ids": ids}))
         return
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY, str(os.getpid())]) for _ in range(args.busy)]
     try:
         kvcli_ask(), generate()  # warm-up
         times: dict[str, list[float]] = {"kvcli": [], "generate": []}
@@ -226,7 +227,7 @@ def apart(args) -> None:
     child = [sys.executable, __file__, "--tokens", str(args.tokens), "--weights", args.weights, "--dtype", args.dtype]
     child += (["--cache", args.cache] if args.cache else []) + (["--model", args.model] if args.model else [])
     child += ["--doc-tokens", str(args.doc_tokens)] if args.doc_tokens else []
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY, str(os.getpid())]) for _ in range(args.busy)]
     times: dict[str, list[float]] = {"kvcli": [], "generate": []}
     tokens: dict[str, list[int]] = {}
     try:

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+BUSY = "import os, sys\nwhile os.getppid() == int(sys.argv[1]): pass"  # a busy loop that ends with the benchmark, killed or not
 SAMPLES = HERE.parents[1] / "samples"
 sys.path.insert(0, str(HERE))
 from bench_batch import EXTRA  # noqa: E402  (questions after the sample's own)
@@ -334,7 +335,7 @@ def main() -> None:
     result: dict = {"machine": {"cpu": cpu(), "load_before": [round(x, 2) for x in os.getloadavg()]}, "model": gguf,
                     "modes": names, "reference": ref, "questions": questions, "max_new_tokens": args.max_new_tokens,
                     "repeats": args.repeats, "tokens": args.tokens, "generate": args.generate, "results": {}}
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]  # beside every side
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY, str(os.getpid())]) for _ in range(args.busy)]  # beside every side
     result["machine"]["busy"] = args.busy
     try:
         measure(args, result, names, kv, ref, gguf, questions)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+BUSY = "import os, sys\nwhile os.getppid() == int(sys.argv[1]): pass"  # a busy loop that ends with the benchmark, killed or not
 QUESTIONS = [
     "What is the name of this license?",
     "What is the name of the foundation that wrote this license?",
@@ -75,7 +76,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env.update(KVCLI_SOCKET=str(sock), KVCLI_AUTOSTART="1", KVCLI_AUTOSTART_IDLE="5m", HF_HUB_OFFLINE="1")
     common = ["-c", str(args.cache), "--max-new-tokens", str(args.max_new_tokens), "-q"]
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY, str(os.getpid())]) for _ in range(args.busy)]
     load_before = os.getloadavg()
     try:
         batch = timed([*kvcli, "ask", *common, "--no-server", "-f", str(qfile)], env)
