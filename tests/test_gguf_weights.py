@@ -64,17 +64,9 @@ def test_the_int4_kernel_runs_the_codes_with_bfloat16_scales():
 
 @pytest.fixture(scope="module")
 def gguf_lm(session_home):
-    import os
-
-    old = os.environ.get("KVCLI_HOME")
-    os.environ["KVCLI_HOME"] = str(session_home)
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # the module's loads keep their kernels where the session's models live
+        mp.setenv("KVCLI_HOME", str(session_home))
         yield kvcli.load(weights="gguf")
-    finally:
-        if old is None:
-            os.environ.pop("KVCLI_HOME", None)
-        else:
-            os.environ["KVCLI_HOME"] = old
 
 
 def test_every_linear_runs_on_the_kernel_nearest_its_type_and_the_difference_is_recorded(gguf_lm):

@@ -58,6 +58,28 @@ def median_ms(fn, n: int) -> float:
     return statistics.median(times) * 1000
 
 
+def generate_ms(lm, states, prompt: list[int], max_new_tokens: int, eos: set[int]) -> tuple[float, list[int]]:
+    """transformers' generate() from a DynamicCache of the document's restored states: decode ms per token after
+    the first, and the answer ids."""
+    import torch
+    from transformers import DynamicCache
+
+    dc = DynamicCache(config=lm.model.config)
+    for i, s in enumerate(states):
+        dc.update(s.keys.clone(), s.values.clone(), i)
+    stamps: list[float] = []
+
+    def stamp(_ids, scores):
+        stamps.append(time.perf_counter())
+        return scores
+
+    x = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = lm.model.generate(input_ids=x, attention_mask=torch.ones_like(x), cache=dc, do_sample=False,
+                                max_new_tokens=max_new_tokens, logits_processor=[stamp], eos_token_id=list(eos) or None)
+    return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1) * 1000, out[0, x.shape[1]:].tolist()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32)
@@ -157,7 +179,6 @@ def main() -> None:
         print(f"load average before {result['load_before']}, after {result['load_after']}")
         return
 
-    from transformers import DynamicCache
 
     options = kvcli.GenerationOptions(max_new_tokens=args.tokens)
     eos = eos_ids(lm.model)
@@ -168,21 +189,7 @@ def main() -> None:
         return (a.total_s - a.ttft_s) / max(1, len(a.answer_token_ids) - 1) * 1000, a.answer_token_ids
 
     def generate() -> tuple[float, list[int]]:
-        dc = DynamicCache(config=lm.model.config)
-        for i, s in enumerate(states):
-            dc.update(s.keys.clone(), s.values.clone(), i)
-        stamps: list[float] = []
-
-        def stamp(_ids, scores):
-            stamps.append(time.perf_counter())
-            return scores
-
-        x = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = lm.model.generate(input_ids=x, attention_mask=torch.ones_like(x), cache=dc, do_sample=False,
-                                    max_new_tokens=args.tokens, logits_processor=[stamp], eos_token_id=list(eos) or None)
-        ids = out[0, x.shape[1]:].tolist()
-        return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1) * 1000, ids
+        return generate_ms(lm, states, prompt, args.tokens, eos)
 
     if args.child:  # one warm-up answer, then one measured
         way = kvcli_ask if args.child == "kvcli" else generate

@@ -158,29 +158,13 @@ def child(cfg_path: str, out_path: str) -> None:
 
 
 def generate(lm, session, prompt: list[int], eos: set[int], cfg: dict) -> dict:
-    """transformers' generate() from a DynamicCache of the session's document (as tests/bench/bench_decode.py)."""
-    import torch
-    from transformers import DynamicCache
+    """transformers' generate() from a DynamicCache of the session's document (bench_decode.generate_ms)."""
+    from bench_decode import generate_ms
 
     states = session.cache.states()
-    times, ids = [], []
-    for _ in range(cfg["repeats"] + 1):  # the first: warm-up
-        dc = DynamicCache(config=lm.model.config)
-        for i, s in enumerate(states):
-            dc.update(s.keys.clone(), s.values.clone(), i)
-        stamps: list[float] = []
-
-        def stamp(_ids, scores):
-            stamps.append(time.perf_counter())
-            return scores
-
-        x = torch.tensor([prompt])
-        with torch.inference_mode():
-            got = lm.model.generate(input_ids=x, attention_mask=torch.ones_like(x), cache=dc, do_sample=False,
-                                    max_new_tokens=cfg["max_new_tokens"], logits_processor=[stamp], eos_token_id=list(eos) or None)
-        ids = got[0, x.shape[1]:].tolist()
-        times.append(1000 * (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1))
-    return {"decode_ms_per_token": statistics.median(times[1:]), "decode_ms_per_token_runs": times[1:], "ids": ids}
+    runs = [generate_ms(lm, states, prompt, cfg["max_new_tokens"], eos) for _ in range(cfg["repeats"] + 1)]  # the first: warm-up
+    times = [ms for ms, _ in runs[1:]]
+    return {"decode_ms_per_token": statistics.median(times), "decode_ms_per_token_runs": times, "ids": runs[-1][1]}
 
 
 # -- the parent ------------------------------------------------------------------------------------------------------
