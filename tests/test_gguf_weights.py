@@ -197,7 +197,19 @@ def test_each_block_type_runs_on_the_nearest_kernel_with_its_difference_measured
     assert torch.allclose(got, want, atol=0.1 * float(want.abs().max())), float((got - want).abs().max())
     # a second load reads the kept kernel tensors, not the file
     again = copy.deepcopy(reference)
-    path.rename(path.with_suffix(".moved"))
+    moved = path.rename(path.with_suffix(".moved"))
     assert gguf_weights.use_gguf(again, path, tmp_path / "kernels") == report
     with torch.inference_mode():
         assert torch.equal(again(ids).logits, model(ids).logits)
+    # kept tensors of the wrong shape are made again from the file, never handed to the kernels
+    from safetensors.torch import load_file, save_file
+
+    kept = tmp_path / "kernels" / "gguf-kernels.safetensors"
+    tensors = load_file(kept)
+    tensors["model.layers.0.mlp.up_proj.int8"] = tensors["model.layers.0.mlp.up_proj.int8"][:, :-32].contiguous()
+    save_file(tensors, str(kept), metadata={"weights_error": json.dumps(report)})
+    moved.rename(path)
+    third = copy.deepcopy(reference)
+    assert gguf_weights.use_gguf(third, path, tmp_path / "kernels") == report
+    with torch.inference_mode():
+        assert torch.equal(third(ids).logits, model(ids).logits)

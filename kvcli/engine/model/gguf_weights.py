@@ -144,7 +144,7 @@ def _kernel_tensors(model: Any, gguf_path: Path) -> tuple[dict[str, torch.Tensor
                                      "use --weights float")
             else:
                 codes, d, m = stored.quantize_q4(file_w)
-                codes, scale, add = codes, d.float(), m.float()
+                scale, add = d.float(), m.float()
             sz, runs = _scales_zeros(codes, scale, add)
             out[f"{name}.int4"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
             out[f"{name}.int4sz"] = sz
@@ -154,6 +154,16 @@ def _kernel_tensors(model: Any, gguf_path: Path) -> tuple[dict[str, torch.Tensor
             out[f"{name}.int8"], out[f"{name}.int8s"] = codes8, scales
             errors.add(kind, "int8", codes8.float() * scales.float()[:, None], file_w)
     return out, errors.report()
+
+
+def _fits(kept: dict[str, torch.Tensor], name: str, layer: Any) -> bool:
+    """Whether `kept` holds one kernel's tensors for `layer` in the shapes and dtypes the kernels read (the file is
+    read back, not trusted: a wrong shape would reach native code)."""
+    rows, cols = layer.out_features, layer.in_features
+    want = ({f"{name}.int4": ((rows, cols // 2), torch.uint8), f"{name}.int4sz": ((cols // 32, rows, 2), torch.bfloat16)}
+            if f"{name}.int4" in kept else
+            {f"{name}.int8": ((rows, cols), torch.int8), f"{name}.int8s": ((rows,), torch.bfloat16)})
+    return all(k in kept and tuple(kept[k].shape) == shape and kept[k].dtype == dtype for k, (shape, dtype) in want.items())
 
 
 def _prepared(model: Any, gguf_path: Path, folder: Path | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -168,13 +178,13 @@ def _prepared(model: Any, gguf_path: Path, folder: Path | None) -> tuple[dict[st
     from ...format.writing import hidden_sibling
 
     path = folder / "gguf-kernels.safetensors" if folder is not None else None
-    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     if path is not None and path.is_file():
         try:
             with safe_open(str(path), "pt") as f:
                 kept = {k: f.get_tensor(k).clone() for k in f.keys()}  # torch's own (aligned) memory: the kernels need it
                 report = json.loads(f.metadata()["weights_error"])
-            if {k.rsplit(".", 1)[0] for k in kept} == linears:
+            if all(_fits(kept, n, m) for n, m in linears.items()) and len(kept) == 2 * len(linears):
                 return kept, report
         except Exception:  # unreadable or another model's: made again below
             pass
