@@ -74,6 +74,9 @@ def as_format_version(cache, version: int) -> dict:
 
 
 def converted_default_model(home) -> Path:
-    """The default GGUF's converted transformers folder under a KVCLI_HOME (its -config and -q4 siblings left out)."""
-    (folder,) = [f for f in (Path(home) / "models").glob("gguf-*") if not f.name.endswith(("-config", "-q4"))]
+    """The default GGUF's converted transformers folder under a KVCLI_HOME (gguf-<16 hex digits>; its -config, -q4
+    and -gguf siblings left out)."""
+    import re
+
+    (folder,) = [f for f in (Path(home) / "models").glob("gguf-*") if re.fullmatch(r"gguf-[0-9a-f]{16}", f.name)]
     return folder

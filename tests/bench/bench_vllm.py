@@ -47,7 +47,7 @@ def main() -> None:
     from kvcli.engine.model import models
     from kvcli.format import store
 
-    model = next(f for f in (models.kvcli_home() / "models").glob("gguf-*") if not f.name.endswith(("-config", "-q4")))
+    model = next(f for f in (models.kvcli_home() / "models").glob("gguf-*") if not f.name.endswith(("-config", "-q4", "-gguf")))
     tok = AutoTokenizer.from_pretrained(str(model))
     m = store.read_manifest(cache)
     fr = framing.Framing.from_record(m.framing)
