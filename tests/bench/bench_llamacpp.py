@@ -1,5 +1,5 @@
 """Benchmark (not collected by pytest): every kvcli mode and llama.cpp side by side on one GGUF file and the same
-prompt ids (issues 25 and 46).
+prompt ids.
 
     .ci/llamacpp-up                       # once: llama-cpp-python built from source in a venv of its own
     nice python tests/bench/bench_llamacpp.py [--model FILE.gguf] [--modes float32,q8,bfloat16,llamacpp]
