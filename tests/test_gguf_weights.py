@@ -15,7 +15,7 @@ import kvcli
 from kvcli.engine.model import gguf_weights, stored
 from kvcli.errors import CacheMismatchError, ModelError
 from tests.conftest import SAMPLES
-from tests.helpers import run
+from tests.helpers import json_lines, run
 
 QUESTION = "Who may grant a patent license under this license?"
 
@@ -42,7 +42,7 @@ def test_every_4bit_block_type_reads_back_as_gguf_dequantizes_it(kind):
     codes, scale, add = gguf_weights.q4_codes(torch.from_numpy(raw.copy()), kind, rows, cols)
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and scale.shape == (rows, cols // 32)
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(rows, cols))
-    assert torch.equal(gguf_weights.q4_weights(codes, scale, add), expected)
+    assert torch.equal(stored.dequantize(codes, scale, add), expected)
 
 
 def test_the_int4_kernel_runs_the_codes_with_bfloat16_scales():
@@ -110,6 +110,15 @@ def test_check_measures_a_cached_answer_against_a_recompute_on_the_same_weights(
     assert check.weights == "gguf" and check.tokens == len(answer.answer_token_ids) > 0
     assert "gguf weights" in check.describe()
     assert check.agreement >= 0.8 and check.kl_mean < 0.05, check.describe()
+
+
+def test_cli_asks_a_gguf_cache_on_its_own_weights_and_dtype(gguf_cache):
+    result = run("ask", "--cache", gguf_cache, QUESTION, "--json", "--max-new-tokens", "8", "--no-server")
+    assert result.exit_code == 0, result.stderr
+    (a,) = json_lines(result.stdout)
+    assert a["answer"].strip() and a["cached_tokens"] > 800
+    refused = run("ask", "--cache", gguf_cache, QUESTION, "--dtype", "float32", "--no-server")
+    assert refused.exit_code == 3 and "dtype (cache bfloat16, model float32" in refused.stderr
 
 
 def test_caches_of_the_gguf_arithmetic_are_refused_by_the_float_model(gguf_cache, default_lm):

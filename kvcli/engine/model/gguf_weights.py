@@ -25,7 +25,7 @@ import torch
 from ...errors import ModelError
 from . import stored
 
-_Q4 = {2: "Q4_0", 3: "Q4_1", 12: "Q4_K"}  # ggml type ids whose codes the int4 kernel runs as stored
+_Q4 = {"Q4_0", "Q4_1", "Q4_K"}  # types whose codes the int4 kernel runs as stored
 _FEWER_BITS = {"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0"}
 
 
@@ -50,13 +50,6 @@ def q4_codes(raw: torch.Tensor, kind: str, rows: int, cols: int) -> tuple[torch.
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(rows, cols)
     add = -8 * d if kind == "Q4_0" else b[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
     return codes, d, add
-
-
-def q4_weights(codes: torch.Tensor, scale: torch.Tensor, add: torch.Tensor) -> torch.Tensor:
-    """scale * q + add per group of 32: [rows, cols] float32."""
-    rows, cols = codes.shape
-    w = codes.reshape(rows, cols // 32, 32).float() * scale[..., None] + add[..., None]
-    return w.reshape(rows, cols)
 
 
 def _scales_zeros(codes: torch.Tensor, scale: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,11 +128,11 @@ def _kernel_tensors(model: Any, gguf_path: Path) -> tuple[dict[str, torch.Tensor
         order = _in_model_order(file_w, module.weight.detach(), config, name, gguf_path)
         if order is not None:
             file_w = file_w[order]
-        if (kind in _Q4.values() or kind in _FEWER_BITS) and cols % 32 == 0:
-            if kind in _Q4.values():
+        if (kind in _Q4 or kind in _FEWER_BITS) and cols % 32 == 0:
+            if kind in _Q4:
                 raw = torch.from_numpy(tensor.data.copy()).reshape(rows, -1)
                 codes, scale, add = q4_codes(raw if order is None else raw[order], kind, rows, cols)
-                if not torch.equal(q4_weights(codes, scale, add), file_w):
+                if not torch.equal(stored.dequantize(codes, scale, add), file_w):
                     raise ModelError(f"{gguf_path}: tensor {tensor.name} ({kind}) does not read back as gguf reads it; "
                                      "use --weights float")
             else:

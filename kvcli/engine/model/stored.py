@@ -160,7 +160,8 @@ def q4_blocks(raw: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, to
 
 
 def dequantize(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """float32 weights d * q + m, as gguf's (and so transformers') dequantizer computes them: [rows, cols]."""
+    """float32 weights d * q + m per group of 32, as gguf's (and so transformers') dequantizer computes them for
+    Q4_1 (and gguf_weights.q4_codes's scale and add for Q4_0 and Q4_K): [rows, cols]."""
     rows, cols = codes.shape
     w = codes.reshape(rows, cols // GROUP, GROUP).float() * d.float()[..., None] + m.float()[..., None]
     return w.reshape(rows, cols)
