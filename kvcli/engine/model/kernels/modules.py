@@ -1,0 +1,85 @@
+"""PackedLinear and PackedEmbedding: layers on a GGUF tensor's blocks (prepare's tensors), never its float weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+from .formats import dequantize_rows
+
+TILE = 1 << 22  # weights dequantized at a time for a GEMM (8 MiB of bfloat16): the transient such a product adds
+
+_TORCH_ONLY: ContextVar[bool] = ContextVar("kvcli_kernels_torch_only", default=False)
+
+
+@contextmanager
+def torch_only(enabled: bool = True) -> Iterator[None]:
+    """Within this block (this thread), every layer runs the pure-torch path, as where no native kernel is built."""
+    token = _TORCH_ONLY.set(enabled)
+    try:
+        yield
+    finally:
+        _TORCH_ONLY.reset(token)
+
+
+def backend() -> str:
+    """The decode kernel layers use here and now: "torch" (dequantize + GEMM) where no native kernel runs."""
+    return "torch"
+
+
+def bf16_product(kind: str, blocks: torch.Tensor, rows: torch.Tensor, cols: int) -> torch.Tensor:
+    """x [n, cols] times the weights of `blocks` [out, bytes a row] transposed -> [n, out] bfloat16: the weights
+    dequantized to bfloat16 a tile of output rows at a time, each tile one GEMM (oneDNN's bfloat16 kernels)."""
+    out = blocks.shape[0]
+    x = rows.to(torch.bfloat16)
+    y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)
+    step = max(1, TILE // cols)
+    for lo in range(0, out, step):
+        hi = min(out, lo + step)
+        w = dequantize_rows(kind, blocks[lo:hi], cols).to(torch.bfloat16)  # [hi - lo, cols]
+        torch.mm(x, w.T, out=y[:, lo:hi])
+    return y
+
+
+class PackedLinear(torch.nn.Module):
+    """y = x W^T (+ bias) with W a GGUF tensor's blocks of `kind` [rows (out), cols (in)]; x float32 or bfloat16,
+    y in x's dtype. `native=False` keeps this layer on the pure-torch path."""
+
+    def __init__(self, kind: str, rows: int, cols: int, tensors: dict[str, torch.Tensor],
+                 bias: torch.Tensor | None = None, *, native: bool = True):
+        super().__init__()
+        self.kind, self.out_features, self.in_features, self.native = kind, rows, cols, native
+        self.register_buffer("blocks", tensors["blocks"], persistent=False)
+        self.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        rows = x.reshape(-1, self.in_features)
+        y = bf16_product(self.kind, self.blocks, rows, self.in_features).float()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+class PackedEmbedding(torch.nn.Module):
+    """Rows of a GGUF tensor's blocks looked up by id, dequantizing only the rows asked for: ids [...] ->
+    [..., cols] in `dtype`. Given the same tensors as a PackedLinear, a tied output layer shares them."""
+
+    def __init__(self, kind: str, rows: int, cols: int, tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.kind, self.num_embeddings, self.embedding_dim, self.dtype = kind, rows, cols, dtype
+        self.register_buffer("blocks", tensors["blocks"], persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        values = dequantize_rows(self.kind, self.blocks.index_select(0, flat), self.embedding_dim)
+        return values.to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind}"
