@@ -10,6 +10,7 @@ endpoint names OpenAI's fields). A `stop` given as one string is refused, never 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,18 +34,21 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # not NaN, not infinite
+
+
+SEED_MAX = 2**64 - 1  # torch's generators take a seed of 64 bits
 
 
 # field -> (whether a value is acceptable, what it must be otherwise, the value as GenerationOptions takes it)
 RULES: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
     "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "a whole number of at least 1", int),
-    "temperature": (lambda v: _is_number(v) and v >= 0, "a number of at least 0 (0: greedy)", float),
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a finite number of at least 0 (0: greedy)", float),
     "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "above 0 and at most 1", float),
-    "seed": (_is_int, "a whole number", int),
+    "seed": (lambda v: _is_int(v) and 0 <= v <= SEED_MAX, f"a whole number from 0 to {SEED_MAX}", int),
     "stop": (lambda v: isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v),
              "a list of non-empty strings", tuple),
-    "repetition_penalty": (lambda v: _is_number(v) and v > 0, "above 0 (1 is off)", float),
+    "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a finite number above 0 (1 is off)", float),
     "no_repeat_ngram_size": (lambda v: _is_int(v) and v >= 0, "a whole number of at least 0 (0: off)", int),
 }
 FIELDS = tuple(RULES)

@@ -29,7 +29,7 @@ FollowUpOpt = Annotated[Optional[Path], typer.Option("--follow-up", metavar="FIL
 # sampling options that ask and chat spell alike
 TemperatureOpt = Annotated[float, typer.Option(metavar="T", help="0 for greedy (default).")]
 TopPOpt = Annotated[float, typer.Option(metavar="P", help="Nucleus sampling threshold, above 0 and at most 1 (with --temperature).")]
-SeedOpt = Annotated[Optional[int], typer.Option(metavar="S", help="Seed for reproducible sampling.")]
+SeedOpt = Annotated[Optional[int], typer.Option(metavar="S", help="Seed for reproducible sampling (0 to 2^64-1).")]
 RepetitionPenaltyOpt = Annotated[float, typer.Option(metavar="R", help="Above 1 makes tokens already in the prompt or answer less likely (generate()'s own; 1: off).")]
 NoRepeatNgramOpt = Annotated[int, typer.Option(metavar="N", help="Never repeat an N-token sequence of the prompt or answer (0: off).")]
 ConvertDtypeOpt = Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")]
