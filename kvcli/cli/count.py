@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from ..errors import UsageError
+from ..errors import DocumentError, UsageError
 from .output import Output, human_bytes
 from .app import command
 from .options import DtypeOpt, EncodingOpt, FramingOpt, JsonOpt, ModelOpt, QuietOpt, RevisionOpt, SystemOpt, TrustOpt
@@ -35,39 +35,61 @@ def count(
     documents.check_encoding(encoding)
     if docs.count("-") > 1:
         raise UsageError("stdin ('-') can be read only once")
-    texts = [documents.read(d, encoding) for d in docs]  # every document first: a bad one fails before the tokenizer loads
-    from ..engine import counting
+    read, failed = [], []  # every document first: a bad one is reported, the good ones still counted
+    for d in docs:
+        try:
+            read.append(documents.read(d, encoding))
+        except DocumentError as exc:
+            failed.append((d, exc))
+    counts, counter = [], None
+    if read:
+        from ..engine import counting
 
-    with out.status("loading tokenizer"):
-        counter = counting.Counter(model, revision=revision, dtype=dtype, framing=framing, system=system, trust_remote_code=trust_remote_code)
-    counts = [counter.count(t) for t in texts]
+        with out.status("loading tokenizer"):
+            counter = counting.Counter(model, revision=revision, dtype=dtype, framing=framing, system=system, trust_remote_code=trust_remote_code)
+        counts = [counter.count(t) for t in read]
+    errors = {d: str(exc) for d, exc in failed}
     if json_out:
         for c in counts:
             out.json_line(c.to_json())
-    else:
+        for d, message in errors.items():
+            out.json_line({"document": d, "error": message})
+    elif counts:
         table = Table("document", "tokens", "cache raw", "on disk (est.)", "room left", "prefill (est.)")
         for c in counts:
             room = "-" if c.room is None else (f"{c.room:,}" if c.fits else Text(f"{c.room:,} (too long)", style="red"))
             shape = documents.describe({"format": c.format, "pages": c.pages, "sections": c.sections})
             table.add_row(Text(c.document + (f" ({shape})" if shape else "")), f"{c.tokens:,}", human_bytes(c.bytes_raw), human_bytes(c.bytes_on_disk_estimate),
-                          room, _seconds(c.prefill_s_estimate, c.prefill_s_error))
+                          room, _seconds(c))
+        for d in errors:
+            table.add_row(Text(d), Text("unreadable", style="red"), "-", "-", "-", "-")
         out.table(table)
-    limit = f"{counter.max_positions:,} positions" if counter.max_positions else "no position limit"
-    withheld = next((c.prefill_s_reason for c in counts if c.prefill_s_reason), None)
-    times = (f"prefill time: no estimate yet ({withheld})" if withheld else
-             f"prefill time from {counts[0].prefill_s_basis}" if counts else "")
-    out.note(f"{counter.dtype}, {limit}; read {counter.loaded}; estimates: on-disk size from measured ratios, {times}")
-    if counter.dtype_advice:
-        out.note(counter.dtype_advice)
+    if counter is not None:
+        limit = f"{counter.max_positions:,} positions" if counter.max_positions else "no position limit"
+        withheld = next((c.prefill_s_reason for c in counts if c.prefill_s_reason and c.fits), None)
+        times = (f"prefill time: no estimate yet ({withheld})" if withheld else
+                 f"prefill time from {counts[0].prefill_s_basis}, its range from how far that estimate missed each of them")
+        out.note(f"{counter.dtype}, {limit}; read {counter.loaded}; estimates: on-disk size from measured ratios, {times}")
+        if counter.dtype_advice:
+            out.note(counter.dtype_advice)
+    for message in errors.values():
+        out.error(message)
     too_long = [c.document for c in counts if not c.fits]
     if too_long:
-        out.error(f"{', '.join(too_long)}: too long for the model (prefill would refuse it)")
-        return 1
-    return 0
+        out.error(f"{', '.join(too_long)}: too long for the model (prefill would refuse it)",
+                  "count a shorter part, or pick a --model with more positions")
+    if failed and len(docs) > 1:
+        out.error(f"{len(failed)} of {len(docs)} documents could not be read; the others are counted above")
+    return 1 if failed or too_long else 0
 
 
-def _seconds(seconds, error) -> str:
-    if seconds is None:
-        return "no estimate yet"
-    shown = f"~{seconds:,.1f} s" if seconds < 10 else f"~{seconds:,.0f} s"
-    return shown + (f" ±{error:.0%}" if error is not None else "")
+def _seconds(c) -> str:
+    """The estimate and, from 3 records on, the range its records' own misses give: `~12 s (11-14 s)`."""
+    if c.prefill_s_estimate is None:
+        return "-" if not c.fits else "no estimate yet"
+    digits = 1 if c.prefill_s_estimate < 10 else 0
+    shown = f"~{c.prefill_s_estimate:,.{digits}f} s"
+    if c.prefill_s_range is None:
+        return shown
+    low, high = (f"{v:,.{1 if c.prefill_s_range[1] < 10 else 0}f}" for v in c.prefill_s_range)
+    return shown if low == high else f"{shown} ({low}-{high} s)"

@@ -36,10 +36,11 @@ class Count:
     max_positions: int | None
     room: int | None  # positions left for a question and its answer
     fits: bool  # room for kvcli's minimum question-and-answer reserve
-    prefill_s_estimate: float | None  # None unless its records put it within throughput.MAX_ERROR
+    prefill_s_estimate: float | None  # None until 3 records give its range, and for a document too long to prefill
     prefill_s_basis: str  # "N prefills on this machine", or the rough curve (engine/throughput.py)
     prefill_s_error: float | None  # relative spread of those records around the estimate (3 or more records)
     prefill_s_reason: str | None  # why no estimate is stated (None when one is)
+    prefill_s_range: tuple[float, float] | None = None  # the estimate's low and high, from the records' own misses
     format: str = "text"  # the document's format ("text", "pdf", "html", "docx", "epub")
     pages: int | None = None  # a PDF's pages
     sections: int | None = None  # headings kept (HTML, DOCX, EPUB)
@@ -97,12 +98,14 @@ class Counter:
         raw = sum(per_token * (n if kind == "full" else min(n, window - 1)) for kind, window in self.plan)
         room = self.max_positions - n if self.max_positions else None
         est = throughput.estimate(n, self.records, self.params)
+        fits = too_long(document.name, n, self.max_positions) is None
+        reason = est.withheld if fits else "too long for the model: prefill would refuse it"
         return Count(document=document.name, tokens=n, dtype=self.dtype, bytes_raw=raw,
                      bytes_on_disk_estimate=round(raw * DISK_RATIO[self.dtype]), max_positions=self.max_positions,
-                     room=room, fits=too_long(document.name, n, self.max_positions) is None,
-                     prefill_s_estimate=None if est.withheld else est.seconds, prefill_s_basis=est.basis,
-                     prefill_s_error=est.error, prefill_s_reason=est.withheld, format=document.format, pages=document.pages,
-                     sections=document.sections)
+                     room=room, fits=fits, prefill_s_estimate=None if reason else est.seconds, prefill_s_basis=est.basis,
+                     prefill_s_error=est.error, prefill_s_reason=reason,
+                     prefill_s_range=None if reason or est.low is None else (est.low, est.high),
+                     format=document.format, pages=document.pages, sections=document.sections)
 
 
 def fit_check(model: str | None = None, *, revision: str | None = None, framing: str = "auto", system: str | None = None,

@@ -3,10 +3,11 @@ and `kvcli count` estimates a document's prefill from the records of the same mo
 
 A time grows as n * (a + b * n) (per-token work, plus attention over every earlier position). Records of
 lengths that differ enough fit a and b for this machine, used for lengths around them; otherwise the records
-nearest in length set the scale of the reference curve (the median of measured / curve). The records' largest
-miss of the estimator is its error (from 3 records on). Without records the curve alone is used, scaled by parameter
-count from the 135M default model on a 2-core CPU. An estimate is stated only when its error is known
-and within MAX_ERROR; otherwise `withheld` says why not.
+nearest in length set the scale of the reference curve (the median of measured / curve). How far off an estimate
+is comes from the records themselves: each one estimated from the others (leave one out), its time over that
+estimate, gives the range stated beside the estimate and its largest miss (from 3 records on). Without records the
+curve alone is used, scaled by parameter count from the 135M default model on a 2-core CPU. An estimate is stated
+once its range is known; otherwise `withheld` says why not.
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ KEEP = 32  # records kept per model, dtype, device and machine
 NEAREST = 5  # records (nearest in length) that set the scale
 SPAN = 1.5  # records whose lengths differ this much fit this machine's own a + b * n, for lengths around them
 ROUGH_BASIS = "a rough curve (the 135M default model on a 2-core CPU, scaled by parameter count)"
-MAX_ERROR = 0.30  # an estimate further off than this, by its own records, is worse than none
+MIN_RECORDS = 3  # records needed before a range (and so an estimate) is stated
 
 
 @dataclass(frozen=True)
 class Estimate:
     seconds: float | None
     basis: str  # "N prefills on this machine" or ROUGH_BASIS
-    error: float | None  # the largest relative miss of this estimator on the records used (3 or more), else None
+    error: float | None  # the largest relative miss of this estimator on the records, each left out in turn (3 or more)
     records: int
+    low: float | None = None  # the estimate times the smallest and the largest (measured / estimated) of those misses
+    high: float | None = None
 
     @property
     def withheld(self) -> str | None:
@@ -46,9 +49,7 @@ class Estimate:
         if not self.records:
             return "no prefill of this model recorded on this machine yet"
         if self.error is None:
-            return f"{self.basis}; 3 are needed to know how far off an estimate is"
-        if self.error > MAX_ERROR:
-            return f"{self.basis} miss by up to {self.error:.0%}, more than ±{MAX_ERROR:.0%}"
+            return f"{self.basis}; {MIN_RECORDS} are needed to know how far off an estimate is"
         return None
 
 
@@ -144,20 +145,27 @@ def estimate(tokens: int, recs: list[dict[str, Any]], params: int | None = None)
         if not params:
             return Estimate(None, ROUGH_BASIS, None, 0)
         return Estimate(curve(tokens) * params / REF_PARAMS, ROUGH_BASIS, None, 0)
+    basis = f"{len(recs)} prefill{'s' if len(recs) != 1 else ''} on this machine"
+    seconds = _point(tokens, recs)
+    if len(recs) < MIN_RECORDS:
+        return Estimate(seconds, basis, None, len(recs))
+    ratios = [r["seconds"] / _point(r["tokens"], recs[:i] + recs[i + 1:]) for i, r in enumerate(recs)]
+    error = max(abs(q - 1) for q in ratios)
+    return Estimate(seconds, basis, error, len(recs), seconds * min(min(ratios), 1.0), seconds * max(max(ratios), 1.0))
+
+
+def _point(tokens: int, recs: list[dict[str, Any]]) -> float:
+    """The estimate itself: this machine's fitted curve for lengths around those measured, else the curve scaled by
+    the records nearest in length."""
     import math
 
-    basis = f"{len(recs)} prefill{'s' if len(recs) != 1 else ''} on this machine"
     lengths = [r["tokens"] for r in recs]
     fitted = _fit(recs) if max(lengths) >= SPAN * min(lengths) and min(lengths) / SPAN <= tokens <= max(lengths) * SPAN else None
-    if fitted is not None:  # lengths measured around this one: this machine's own curve
+    if fitted is not None:
         a, b = fitted
-        misses = [abs((a * r["tokens"] + b * r["tokens"] ** 2) / r["seconds"] - 1) for r in recs]
-        return Estimate(a * tokens + b * tokens ** 2, basis, max(misses) if len(recs) >= 3 else None, len(recs))
+        return a * tokens + b * tokens ** 2
     near = sorted(recs, key=lambda r: abs(math.log(r["tokens"] / max(tokens, 1))))[:NEAREST]
-    ratios = [r["seconds"] / curve(r["tokens"]) for r in near]
-    scale = statistics.median(ratios)
-    error = max(abs(r / scale - 1) for r in ratios) if len(ratios) >= 3 else None
-    return Estimate(scale * curve(tokens), basis, error, len(recs))
+    return statistics.median([r["seconds"] / curve(r["tokens"]) for r in near]) * curve(tokens)
 
 
 def _fit(recs: list[dict[str, Any]]) -> tuple[float, float] | None:
