@@ -10,6 +10,7 @@ import pytest
 
 from kvcli import documents
 from kvcli.errors import DocumentError
+from tests.helpers import assert_clean_error, run
 
 TEXT = "Café crème, naïve façade — «quoted» and ½ price.\n"
 
@@ -162,3 +163,19 @@ def test_cli_encoding_option_and_refusals(tmp_path, tiny_model_dir):
     refused_bin = runner.invoke(app, ["prefill", str(binary), "--model", str(tiny_model_dir), "--encoding", "latin-1", "-q"])
     assert refused_bin.exit_code == 1 and "binary" in refused_bin.stderr and "Traceback" not in refused_bin.stderr
     assert not binary.with_suffix(".kv").exists()
+
+
+@pytest.mark.parametrize(("encoding", "data", "suggested"), [
+    ("utf-16", "A contract between two parties.\n".encode("utf-16"), "--encoding utf-16"),  # with its byte order mark
+    ("utf-16-le", "A contract between two parties.\n".encode("utf-16-le"), "--encoding utf-16-le"),
+    ("utf-16-be", "A contract between two parties.\n".encode("utf-16-be"), "--encoding utf-16-be"),
+    ("utf-32", "A contract between two parties.\n".encode("utf-32"), "--encoding utf-32"),
+])
+def test_wide_text_read_as_utf8_names_its_encoding(tmp_path, tiny_model_dir, encoding, data, suggested):
+    message = refused(data)
+    assert suggested in message and "binary" not in message
+    path = tmp_path / "notes.txt"
+    path.write_bytes(data)
+    assert_clean_error(run("count", path, "--model", tiny_model_dir), 1, "notes.txt", suggested)
+    result = run("count", path, "--model", tiny_model_dir, "--encoding", encoding, "--json")
+    assert result.exit_code == 0, result.stderr  # what the message suggests reads it

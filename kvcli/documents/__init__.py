@@ -85,6 +85,9 @@ def _text(data: bytes, name: str, encoding: str) -> str:
     wide = encoding.lower().replace("_", "-").startswith(_WIDE)
     nul = -1 if wide else data.find(b"\x00")
     if nul >= 0:
+        wide_text = _wide_encoding(data)
+        if wide_text:
+            raise DocumentError(f"{name}: {wide_text} text, not {encoding}; pass --encoding {wide_text.lower()}")
         raise DocumentError(f"{name}: looks like a binary file (NUL byte at byte offset {nul}), not text")
     try:
         text = data.decode(encoding)
@@ -102,6 +105,23 @@ def _text(data: bytes, name: str, encoding: str) -> str:
     if not text.strip():
         raise DocumentError(f"{name}: the document is empty")
     return text
+
+
+def _wide_encoding(data: bytes) -> str | None:
+    """'UTF-16' or 'UTF-32' for text in such an encoding (a byte order mark at its start, or the NUL bytes of mostly
+    ASCII text in every second or fourth place), else None."""
+    if data.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return "UTF-32"
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "UTF-16"
+    head = data[:4096]
+    if len(head) >= 8 and len(head) % 2 == 0:
+        for size, encoding in ((4, "UTF-32"), (2, "UTF-16")):
+            for start in range(size):
+                units = [head[i:i + size] for i in range(0, len(head) - size + 1, size)]
+                if all(u[start] != 0 and sum(u) == u[start] for u in units[:64]):
+                    return f"{encoding}-{'LE' if start == 0 else 'BE'}" if start in (0, size - 1) else None
+    return None
 
 
 def read(path: str | Path, encoding: str = "utf-8") -> Document:
