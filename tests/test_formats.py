@@ -43,13 +43,44 @@ def report(here):
 
 def test_pdf_keeps_its_pages_in_the_text_and_the_record():
     doc = documents.from_bytes(docfiles.pdf(pages()), "report.pdf")
-    assert doc.format == "pdf" and doc.pages == 3 and doc.converter.startswith("kvcli-pdf/1 pypdf/")
+    assert doc.format == "pdf" and doc.pages == 3 and doc.converter.startswith("kvcli-pdf/2 pypdf/") and doc.page_numbers == "position"
     assert [line for line in doc.text.splitlines() if line.startswith("[page")] == ["[page 1]", "[page 2]", "[page 3]"]
     page2 = doc.text.split("[page 2]\n", 1)[1].split("\n\n[page 3]")[0]
     assert FACT in page2.splitlines()
     record = doc.record()
     assert record["format"] == "pdf" and record["pages"] == 3 and record["chars"] == len(doc.text)
     assert documents.from_bytes(docfiles.pdf(pages()), "report.pdf") == doc  # the same bytes give the same text
+
+
+def _labelled_pdf() -> bytes:
+    """The three pages, the first numbered i (a preface), the others 1 and 2 as printed, and an outline: a chapter on
+    the second page, a section of it and a second chapter on the third."""
+    import io
+
+    import pypdf
+
+    writer = pypdf.PdfWriter(clone_from=pypdf.PdfReader(io.BytesIO(docfiles.pdf(pages()))))
+    writer.set_page_label(0, 0, style="/r")
+    writer.set_page_label(1, 2, style="/D", start=1)
+    chapter = writer.add_outline_item(title="Harbour  Works", page_number=1)
+    writer.add_outline_item(title="Dues", page_number=2, parent=chapter)
+    writer.add_outline_item(title="Appendix", page_number=2)
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
+
+
+def test_pdf_pages_are_numbered_as_printed_and_its_outline_marks_headings():
+    doc = documents.from_bytes(_labelled_pdf(), "report.pdf")
+    assert [line for line in doc.text.splitlines() if line.startswith(("[page", "#"))] == [
+        "[page i]", "[page 1]", "# Harbour Works", "[page 2]", "## Dues", "# Appendix"]
+    assert doc.page_numbers == "printed" and doc.sections == 3 and doc.pages == 3
+    assert FACT in doc.text.split("# Harbour Works\n", 1)[1].split("[page 2]")[0]
+    record = doc.record()
+    assert (record["page_numbers"], record["sections"]) == ("printed", 3)
+    assert documents.describe(record) == "pdf, 3 pages, 3 sections, page numbers as printed"
+    plain = documents.from_bytes(docfiles.pdf(pages()), "report.pdf")  # no labels, no outline: positions, said so
+    assert (plain.page_numbers, plain.sections) == ("position", None) and plain.record()["page_numbers"] == "position"
 
 
 def test_html_keeps_the_main_content_and_its_headings():

@@ -33,7 +33,8 @@ class Document:
     format: str = "text"  # "text", "html", "pdf", "docx" or "epub"
     converter: str | None = None  # what converted it and its version ("kvcli-pdf/1 pypdf/7.1.1"); None for text
     pages: int | None = None  # a PDF's pages
-    sections: int | None = None  # headings kept (HTML, DOCX, EPUB, PDF outline not counted)
+    sections: int | None = None  # headings kept (HTML, DOCX, EPUB; a PDF's outline entries)
+    page_numbers: str | None = None  # a PDF's `[page N]`: "printed" (its /PageLabels) or "position" (its place in the file)
 
     def same_source(self, record: dict) -> bool:
         """Whether a manifest's document record holds this document: the same bytes, read as the same format by the
@@ -59,7 +60,8 @@ class Document:
             import hashlib
 
             record.update(format=self.format, converter=self.converter, text_sha256=hashlib.sha256(self.text.encode("utf-8")).hexdigest())
-            record.update({k: v for k, v in (("pages", self.pages), ("sections", self.sections)) if v is not None})
+            record.update({k: v for k, v in (("pages", self.pages), ("sections", self.sections), ("page_numbers", self.page_numbers))
+                           if v is not None})
         return record
 
 
@@ -70,6 +72,8 @@ def describe(record: dict) -> str:
         return ""
     counts = [f"{n:,} {what}{'' if n == 1 else 's'}" for what, n in (("page", record.get("pages")), ("section", record.get("sections")))
               if n is not None]
+    if record.get("page_numbers") == "printed":
+        counts.append("page numbers as printed")
     return ", ".join([fmt, *counts])
 
 

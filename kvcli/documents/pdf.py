@@ -1,5 +1,7 @@
 """A PDF's text layer, page by page with pypdf (the documents extra): a `[page N]` line before each page's text, so
-an answer can cite the page. N is the page's place in the file (what a viewer's "page N of M" shows)."""
+an answer can cite the page. N is the page's printed number where the file labels its pages (/PageLabels: iv, 12,
+A-3), else its place in the file (what a viewer's "page N of M" shows); the record says which. The headings of the
+file's outline (bookmarks) become `#` lines (`##` for a nested one) at the start of the page they point to."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import warnings
 from ..errors import DocumentError
 from .base import MAX_PAGES, Budget, Document, missing_extra, tidy
 
-VERSION = 1  # of this module's output: bump it when the text it makes changes, so caches of PDFs are rebuilt
+VERSION = 2  # of this module's output: bump it when the text it makes changes, so caches of PDFs are rebuilt
 OCR_HINT = "run OCR first (e.g. ocrmypdf in.pdf out.pdf)"
+MAX_OUTLINE = 20_000  # outline entries read; a hostile outline stops there
 
 
 def convert(data: bytes, name: str, sha256: str) -> Document:
@@ -32,13 +35,16 @@ def convert(data: bytes, name: str, sha256: str) -> Document:
             count = len(reader.pages)
             if count > MAX_PAGES:
                 raise DocumentError(f"{name}: {count:,} pages, more than the {MAX_PAGES:,} kvcli reads")
-            budget, parts, blank = Budget(name), [], 0
+            labels = _labels(reader, count)
+            headings = _outline(reader)
+            budget, parts, texts = Budget(name), [], 0
             for index, page in enumerate(reader.pages, 1):
                 text = tidy(budget.take(page.extract_text() or "", index))
-                if text:
-                    parts.append(f"[page {index}]\n{text}")
-                else:
-                    blank += 1
+                texts += bool(text)
+                marks = headings.get(index - 1, [])
+                if text or marks:
+                    number = labels[index - 1] if labels else str(index)
+                    parts.append("\n".join([f"[page {number}]", *marks, text]).rstrip("\n"))
     except DocumentError:
         raise
     except LimitReachedError as exc:
@@ -48,10 +54,42 @@ def convert(data: bytes, name: str, sha256: str) -> Document:
         raise DocumentError(f"{name}: a damaged or truncated PDF ({exc.__class__.__name__}: {str(exc)[:200]})") from None
     if count == 0:
         raise DocumentError(f"{name}: a PDF without pages")
-    if not parts:
+    if not texts:
         raise DocumentError(f"{name}: no text layer in its {count:,} page(s) (a scanned PDF?); {OCR_HINT}")
     return Document(name=name, text="\n\n".join(parts), sha256=sha256, format="pdf",
-                    converter=f"kvcli-pdf/{VERSION} pypdf/{pypdf.__version__}", pages=count)
+                    converter=f"kvcli-pdf/{VERSION} pypdf/{pypdf.__version__}", pages=count,
+                    sections=sum(map(len, headings.values())) or None, page_numbers="printed" if labels else "position")
+
+
+def _labels(reader, count: int) -> list[str] | None:
+    """Each page's printed number when the file labels its pages (/PageLabels), else None (pages by position)."""
+    try:
+        if "/PageLabels" not in reader.trailer["/Root"]:
+            return None
+        labels = [" ".join(str(label).split()) for label in reader.page_labels]
+    except Exception:  # a damaged label tree: the pages are still read, numbered by position
+        return None
+    return labels if len(labels) == count and all(labels) else None
+
+
+def _outline(reader) -> dict[int, list[str]]:
+    """The outline's headings by the page (index) they point to, each as a `#` line by its depth; {} without one."""
+    found: dict[int, list[str]] = {}
+    try:
+        todo, seen = [(item, 1) for item in reversed(reader.outline)], 0
+        while todo and seen < MAX_OUTLINE:  # a bound on a hostile outline
+            item, depth = todo.pop()
+            seen += 1
+            if isinstance(item, list):  # the children of the entry before it
+                todo.extend((child, depth + 1) for child in reversed(item))
+                continue
+            title = " ".join(str(item.title or "").split())
+            page = reader.get_destination_page_number(item)
+            if title and page is not None and page >= 0:
+                found.setdefault(page, []).append(f"{'#' * min(depth, 6)} {title}")
+    except Exception:  # a damaged outline: the pages are still read, without its headings
+        return {}
+    return found
 
 
 def _open(reader, name: str, not_decrypted: type, dependency: type) -> None:

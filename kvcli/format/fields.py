@@ -84,3 +84,5 @@ def document_record(document: dict, where: str) -> None:
     str_field(document, "document.text_sha256", where, pattern=_HEX256, optional=True)
     int_field(document, "document.pages", where, 0, 1 << 40, optional=True)
     int_field(document, "document.sections", where, 0, 1 << 40, optional=True)
+    if str_field(document, "document.page_numbers", where, optional=True) not in (None, "printed", "position"):
+        raise bad(where, "document.page_numbers must be \"printed\" or \"position\"")
