@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import traceback
 from typing import Annotated
@@ -38,10 +39,26 @@ def _one_shape(parse):
 
 
 class _Group(TyperGroup):
-    """The root group: an unknown command or option gets the one-line error shape too."""
+    """The root group: an unknown command or option gets the one-line error shape too; --help lists each command
+    with its whole first sentence."""
 
     make_context = _one_shape(TyperGroup.make_context)
-    resolve_command = _one_shape(TyperGroup.resolve_command)
+
+    def resolve_command(self, ctx, args):
+        name = args[0] if args else ""
+        if name and not name.startswith("-") and self.get_command(ctx, name) is None:
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=1)
+            guess = f"; did you mean {close[0]!r}?" if close else ""
+            Output().error(f"no such command {name!r}{guess}", "'kvcli --help' lists the commands")
+            raise typer.Exit(UsageError.exit_code)
+        return _one_shape(TyperGroup.resolve_command)(self, ctx, args)
+
+    def format_commands(self, ctx, formatter) -> None:
+        rows = [(name, cmd.get_short_help_str(limit=10_000)) for name in self.list_commands(ctx)
+                if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 app = typer.Typer(

@@ -60,20 +60,24 @@ def ls(
 @command
 def rm(
     caches: Annotated[list[Path], typer.Argument(metavar="CACHE", help="Cache directories to remove.")],
-    force: Annotated[bool, typer.Option("--force", help="Also remove a cache that another one beside it extends (that one then fails to open).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Also remove a cache that another one beside it extends (that one then fails to open), and a cache whose manifest is damaged.")] = False,
     quiet: QuietOpt = False,
 ) -> int:
     """Remove kvcli caches. Anything that is not a kvcli cache, or a cache that another one extends, is refused,
-    and then nothing is removed."""
+    and then nothing is removed; a cache whose manifest is damaged is kept and reported (--force removes it)."""
     from ..format import housekeeping as hk
 
     out = Output(quiet=quiet)
     caches = hk.distinct(caches)  # one path given twice is removed once
-    hk.check_removable(caches, force=force)
+    damaged = hk.check_removable(caches, force=force)
     for path in caches:
-        r = hk.remove_cache(path)
+        if path in damaged:
+            out.error(f"{path}: a damaged cache ({damaged[path]}); not removed",
+                      f"'kvcli rm --force {path}' removes it too")
+            continue
+        r = hk.remove_cache(path, damaged=force)
         out.note(f"removed {r.path} ({human_bytes(r.bytes)})")
-    return 0
+    return 1 if damaged else 0
 
 
 @command

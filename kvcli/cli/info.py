@@ -17,6 +17,7 @@ from .options import JsonOpt, QuietOpt
 @command
 def info(
     cache: Annotated[str, typer.Argument(metavar="CACHE", help="Cache directory or URL.")],
+    layers: Annotated[bool, typer.Option("--layers", help="Also a table of every layer: kind, window, tokens, sizes.")] = False,
     json_out: JsonOpt = False,
 ) -> int:
     """Show a cache's manifest: model, document, tokens, layers and sizes.
@@ -46,7 +47,7 @@ def info(
         return 0
     head = Table.grid(padding=(0, 2))
     for key in ("path", "model", "model_type", "num_tokens", "dtype", "num_layers", "created"):
-        head.add_row(key, Text(str(s[key])))
+        head.add_row(key, Text(f"{s[key]:,}" if isinstance(s[key], int) else str(s[key])))
     from ..documents import describe
 
     shape = describe(m.document)
@@ -64,9 +65,20 @@ def info(
     head.add_row("format", Text(f"{s['format_version']}, shards checked with {s['shard_hash']}"))
     if len(links) > 1:
         head.add_row("chain", Text(" -> ".join(f"{row['path']} ({row['own_tokens']:,} tokens)" for row in links)))
+    rows = catalog.layer_rows(m)
+    kinds = {}
+    for row in rows:
+        kind = row["kind"] + (f" (window {row['sliding_window']:,})" if row["sliding_window"] else "")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    ratios = [row["ratio"] for row in rows]
+    head.add_row("layers", Text(", ".join(f"{n} {kind}" for kind, n in kinds.items())
+                                + (f"; stored {min(ratios):.1%}-{max(ratios):.1%} of raw" if ratios else "")
+                                + ("" if layers else " (--layers: each layer)")))
     out.table(head)
+    if not layers:
+        return 0
     table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")
-    for row in catalog.layer_rows(m):
+    for row in rows:
         table.add_row(str(row["index"]), row["kind"], str(row["sliding_window"] or "-"), f"{row['cached_length']:,}",
                       human_bytes(row["raw_bytes"]), human_bytes(row["stored_bytes"]), f"{row['ratio']:.1%}")
     out.table(table)

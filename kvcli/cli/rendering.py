@@ -158,8 +158,8 @@ class PrefillRenderer:
 
     def close(self) -> None:
         self._close()
-        n, c = sum(self.counts.values()), self.counts
-        if n > 1 or self.listed:
+        c = self.counts
+        if len(self.targets) > 1:  # one document's own line says what became of it
             grown = f", {c['extended']} extended" if c["extended"] else ""
             self.out.note(f"{c['built']} built{grown}, {c['skipped']} skipped, {c['failed']} failed of {len(self.targets)} "
                           f"documents{self.label}")

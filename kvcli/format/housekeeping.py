@@ -31,8 +31,9 @@ class Removal:
     age_s: float | None = None
 
 
-def not_a_cache(path: Path) -> str | None:
-    """Why `path` is not a removable kvcli cache, or None when it is one."""
+def not_a_cache(path: Path, *, damaged: bool = False) -> str | None:
+    """Why `path` is not a removable kvcli cache, or None when it is one; damaged=True also takes a cache whose
+    manifest is not readable JSON, when it holds nothing but that manifest and layer shards."""
     if path.is_symlink():
         return "is a symbolic link, not a cache"
     if not path.exists():
@@ -41,6 +42,29 @@ def not_a_cache(path: Path) -> str | None:
         return "is a file, not a kvcli cache"
     if TMP_MARK in path.name:
         return "is a kvcli temporary folder (kvcli prune clears those)"
+    why = damaged_manifest(path)
+    if why is not None and not (damaged and _unreadable_beside_shards(path)):
+        return why
+    others = sorted(e.name for e in path.iterdir()
+                    if e.name != mf.MANIFEST_NAME and not (_SHARD.fullmatch(e.name) and e.is_file() and not e.is_symlink()))
+    if others:
+        return f"holds files that are not part of a kvcli cache ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
+    return None
+
+
+def _unreadable_beside_shards(path: Path) -> bool:
+    """A kvcli cache whose manifest was cut or garbled: a manifest that is not JSON, beside layer shards."""
+    try:
+        json.loads((path / mf.MANIFEST_NAME).read_bytes())
+        return False
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return any(_SHARD.fullmatch(e.name) for e in path.iterdir())
+
+
+def damaged_manifest(path: Path) -> str | None:
+    """Why a folder's manifest is not a kvcli cache's, or None when it is one."""
     try:
         body = json.loads((path / mf.MANIFEST_NAME).read_bytes())
     except FileNotFoundError:
@@ -49,10 +73,6 @@ def not_a_cache(path: Path) -> str | None:
         return f"is not a kvcli cache ({mf.MANIFEST_NAME} is not readable JSON)"
     if not isinstance(body, dict) or body.get("format") != mf.FORMAT_NAME:
         return f"is not a kvcli cache ({mf.MANIFEST_NAME} is not a kvcli manifest)"
-    others = sorted(e.name for e in path.iterdir()
-                    if e.name != mf.MANIFEST_NAME and not (_SHARD.fullmatch(e.name) and e.is_file() and not e.is_symlink()))
-    if others:
-        return f"holds files that are not part of a kvcli cache ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
     return None
 
 
@@ -67,10 +87,11 @@ def age_of(path: Path) -> float:
     return max(0.0, time.time() - os.stat(path / mf.MANIFEST_NAME).st_mtime)
 
 
-def remove_cache(path: str | os.PathLike) -> Removal:
-    """Delete one kvcli cache; refuse (KvcliError) anything else, touching nothing."""
+def remove_cache(path: str | os.PathLike, *, damaged: bool = False) -> Removal:
+    """Delete one kvcli cache (damaged=True: also one whose manifest is damaged); refuse (KvcliError) anything else,
+    touching nothing."""
     path = Path(path)
-    why = not_a_cache(path)
+    why = not_a_cache(path, damaged=damaged)
     if why:
         raise KvcliError(f"{path}: {why}; refusing to remove it")
     size = size_of(path)
@@ -92,18 +113,27 @@ def distinct(paths: list[Path]) -> list[Path]:
     return list(seen.values())
 
 
-def check_removable(paths: list[Path], *, force: bool = False) -> None:
+def check_removable(paths: list[Path], *, force: bool = False) -> dict[Path, str]:
     """Refuse the whole request, before removing anything, if any path is not a kvcli cache, or (unless force)
-    is the base of a cache beside it that is not removed too (prefill --after)."""
+    is the base of a cache beside it that is not removed too (prefill --after). A cache whose manifest is damaged
+    (not JSON, beside layer shards and nothing else) does not stop the others: returned, path -> what is wrong, for
+    the caller to report, and with force removed too (then nothing is returned)."""
     gone = {os.path.realpath(p) for p in paths}
+    damaged: dict[Path, str] = {}
     for path in paths:
-        why = not_a_cache(Path(path))
+        why = not_a_cache(Path(path), damaged=True)
         if why:
             raise KvcliError(f"{path}: {why}; refusing to remove it (nothing was removed)")
+        broken = damaged_manifest(Path(path))
+        if broken is not None:
+            if not force:
+                damaged[path] = broken.removeprefix("is not a kvcli cache (").removesuffix(")")
+            continue
         kept = [p for p in extended_by(Path(path)) if os.path.realpath(p) not in gone]
         if kept and not force:
             raise KvcliError(f"{path}: {kept[0]} extends it (prefill --after); remove both, or pass --force to break "
                              "the link (nothing was removed)")
+    return damaged
 
 
 def _needed(path: Path, older_than_s: float, depth: int = 0) -> bool:

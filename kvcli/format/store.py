@@ -241,13 +241,21 @@ def _open_link(path: Path, shards: bool) -> OpenedCache:
     raise CacheMissingError(f"{path}: cache changed while being opened; try again")
 
 
+def _cache_of(path: Path) -> str:
+    """What to do when a document was given where its cache belongs: name its cache if it is there."""
+    for cache in (path.with_suffix(".kv"), path.with_name(path.name + ".kv")):
+        if cache != path and (cache / mf.MANIFEST_NAME).is_file():
+            return f"did you mean {cache}?"
+    return f"a cache is a folder that 'kvcli prefill {path}' writes"
+
+
 def _open_once(path: Path, shards: bool) -> OpenedCache:
     try:
         dir_fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise CacheMissingError(f"{path}: no cache here (run 'kvcli prefill' first)") from None
     except NotADirectoryError:
-        raise CacheMissingError(f"{path}: is a file, not a cache directory") from None
+        raise CacheMissingError(f"{path}: is a file, not a cache directory", hint=_cache_of(path)) from None
     except OSError as exc:
         raise CacheMissingError(f"{path}: cannot open ({exc.strerror})") from None
     fds: list[int] = []

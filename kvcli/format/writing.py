@@ -142,10 +142,11 @@ def check_target(target: str | os.PathLike, *, force: bool) -> None:
     target = Path(target)
     if TMP_MARK in target.name:
         raise KvcliError(f"{target}: names containing '{TMP_MARK}' are reserved for kvcli's temporary folders")
+    if target.exists() and not target.is_dir():  # --force or not: a file is never replaced by a cache
+        raise KvcliError(f"{target}: a file, not a cache; kvcli never replaces a file with a cache, not even with --force",
+                         hint="give -o another path, or remove the file yourself")
     if target.exists() and not force:
         raise CacheExistsError(f"{target}: already exists (use --force to replace it)")
-    if target.exists() and not target.is_dir():
-        raise KvcliError(f"{target}: exists and is not a cache directory; refusing to replace it")
     parent = target.parent
     if not parent.is_dir():
         raise KvcliError(f"{parent}: output folder {'is not a folder' if parent.exists() else 'does not exist'}")
