@@ -1,5 +1,7 @@
 """The GGUF kernels (kvcli/engine/model/kernels): every supported type dequantized bit for bit as gguf does it, on
-random blocks; PackedLinear and PackedEmbedding computing those weights' products and rows."""
+random blocks, in torch and in the native code; the native one-row products equal to the products of the same 8-bit
+activations in float64 (at every CPU level this machine runs) and within the bound the 8-bit rounding allows of the
+float product; PackedLinear and PackedEmbedding on both paths."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import pytest
 import torch
 
 from kvcli.engine.model import kernels
-from kvcli.engine.model.kernels import formats, modules
+from kvcli.engine.model.kernels import formats, modules, native
 
+QUANTIZED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32"]
 HALVES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
           "Q6_K": [208]}  # byte offsets of each block's float16 scales (and mins)
@@ -111,3 +114,112 @@ def test_backend_is_named():
     assert isinstance(kernels.backend(), str) and kernels.backend()
     with kernels.torch_only():
         assert kernels.backend() == "torch"
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    words = set(text.split())
+    return all(f in words for f in flags)
+
+
+def test_native_extension_is_built_where_the_cpu_runs_it():
+    """The install builds the extension (pyproject ext-modules, optional): on a CPU with AVX2, FMA and F16C the
+    native kernels must be there, so a failed build shows here instead of as a slow fallback."""
+    if not _cpu_has("avx2", "fma", "f16c"):
+        assert kernels.backend() == "torch"
+        return
+    assert native.level() > 0 and kernels.backend() in ("avx2", "avx-vnni", "avx512-vnni")
+    if _cpu_has("avx512_vnni", "avx512vl", "avx512bw"):
+        assert kernels.backend() == "avx512-vnni"
+
+
+needs_native = pytest.mark.skipif(native.level() == 0, reason="native kernels not built or CPU without AVX2/FMA/F16C")
+
+
+@needs_native
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_native_dequantize_is_gguf_bit_for_bit(kind):
+    rows, cols = 9, 512
+    raw = random_tensor(kind, rows, cols, seed=5)
+    want = gguf_values(kind, raw, rows, cols)
+    assert torch.equal(native.dequantize(kind, raw, cols), want)
+    assert torch.equal(native.dequantize(kind, raw, cols, torch.bfloat16), want.to(torch.bfloat16))
+    assert torch.equal(kernels.dequantize(kind, kernels.prepare(kind, raw, rows, cols), rows, cols), want)
+
+
+@needs_native
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # gguf's own inf * 0
+def test_native_reads_every_float16_scale_as_gguf_does():
+    """Every float16 bit pattern (subnormals, infinities and NaNs included) as a Q8_0 scale over codes of 1."""
+    raw = np.zeros((65536, 34), dtype=np.uint8)
+    raw[:, 0:2] = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    raw[:, 2:] = 1
+    raw_t = torch.from_numpy(raw.reshape(256, -1))
+    got, want = native.dequantize("Q8_0", raw_t, 256 * 32), gguf_values("Q8_0", raw_t, 256, 256 * 32)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def activations_8bit(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the native kernel multiplies: x [n, cols] -> codes [n, cols] (round(x * 127 / amax), half to even) and
+    scales amax / 127 [n, cols / group], in float32 as the C code computes them."""
+    g = x.float().reshape(x.shape[0], -1, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return torch.round(g * inv).clamp(-127, 127).reshape(x.shape), (amax / 127).squeeze(-1)
+
+
+def levels() -> list[int]:
+    return list(range(1, native.level() + 1))
+
+
+@needs_native
+@pytest.mark.parametrize("kind", QUANTIZED)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_native_product_is_the_8bit_activations_product(kind, x_dtype):
+    """At every CPU level: y equals sum over blocks of (activation scale) * sum(w * code), computed in float64, to
+    float32's rounding; and it is within the rigorous bound of 8-bit rounding of the float product x W^T:
+    |y - x W^T| <= sum over blocks of scale / 2 * sum |w| (the measured error is printed)."""
+    rows, cols, n = 40, 768, 3
+    raw = random_tensor(kind, rows, cols, seed=11)
+    w = gguf_values(kind, raw, rows, cols).double()  # [rows, cols]
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(2)).to(x_dtype)
+    bias = torch.randn(rows)
+    group = 256 if kind.endswith("_K") else 32
+    codes, scales = activations_8bit(x, group)
+    terms = (w[None] * codes.double()[:, None, :]).reshape(n, rows, -1, group).sum(-1)  # [n, rows, blocks]
+    exact = (terms * scales.double()[:, None, :]).sum(-1) + bias.double()
+    size = ((w.abs()[None] * codes.double().abs()[:, None, :]).reshape(n, rows, -1, group).sum(-1)
+            * scales.double()[:, None, :]).sum(-1)
+    xf = x.double()
+    bound = ((w.abs().reshape(rows, -1, group).sum(-1)[None] * scales.double()[:, None, :] / 2).sum(-1)) * 1.001
+    float_product = xf @ w.T + bias.double()
+    for level in levels():
+        y = native.gemv(kind, raw, cols, x, bias, at=level)
+        assert y.dtype == x_dtype and y.shape == (n, rows)
+        rounding = 2e-6 * size + 1e-30 if x_dtype == torch.float32 else 2 ** -8 * exact.abs() + 2e-6 * size
+        assert bool(((y.double() - exact).abs() <= rounding).all()), level
+        assert bool(((y.double() - float_product).abs() <= bound + rounding).all()), level
+    err = (y.double() - float_product).abs().max() / float_product.abs().max()
+    print(f"{kind} {x_dtype}: max |native - float| / max |float| = {float(err):.2e}")
+
+
+@needs_native
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_packed_linear_native_and_torch_paths(kind):
+    rows, cols = 64, 512
+    layer, w, b = _layer(kind, rows, cols, bias=True)
+    torch_layer = kernels.PackedLinear(kind, rows, cols, {"blocks": layer.blocks}, b, native=False)
+    x = torch.randn(2, 3, cols)  # 6 rows: the native kernel
+    ref = x.double() @ w.double().T + b.double()
+    fast, slow = layer(x), torch_layer(x)
+    with kernels.torch_only():
+        assert torch.equal(layer(x), slow)  # the context forces the torch path on a native layer
+    assert fast.shape == slow.shape == (2, 3, rows)
+    assert not torch.equal(fast, slow)  # two arithmetics: 8-bit activations, bfloat16 ones
+    _close(fast, ref, 2e-2)
+    _close(slow, ref, 2e-2)
+    many = torch.randn(modules.GEMV_ROWS + 1, cols)  # prefill: bfloat16 GEMM on natively dequantized tiles
+    assert torch.equal(layer(many), torch_layer(many))

@@ -8,9 +8,11 @@ from contextvars import ContextVar
 
 import torch
 
+from . import native
 from .formats import dequantize_rows
 
 TILE = 1 << 22  # weights dequantized at a time for a GEMM (8 MiB of bfloat16): the transient such a product adds
+GEMV_ROWS = 8  # up to this many rows of x, the native kernel (8-bit activations, integer dots); more: bfloat16 GEMMs
 
 _TORCH_ONLY: ContextVar[bool] = ContextVar("kvcli_kernels_torch_only", default=False)
 
@@ -26,27 +28,37 @@ def torch_only(enabled: bool = True) -> Iterator[None]:
 
 
 def backend() -> str:
-    """The decode kernel layers use here and now: "torch" (dequantize + GEMM) where no native kernel runs."""
-    return "torch"
+    """The decode kernel layers use here and now: the native kernels' CPU level ("avx512-vnni", "avx-vnni",
+    "avx2"), or "torch" (dequantize + GEMM) where they are not built, not supported, or torch_only() holds."""
+    return "torch" if _TORCH_ONLY.get() or not native.level() else native.LEVELS[native.level()]
 
 
-def bf16_product(kind: str, blocks: torch.Tensor, rows: torch.Tensor, cols: int) -> torch.Tensor:
+def _native_here(kind: str, allowed: bool) -> bool:
+    return allowed and not _TORCH_ONLY.get() and native.runs(kind)
+
+
+def bf16_product(kind: str, blocks: torch.Tensor, rows: torch.Tensor, cols: int, use_native: bool = False) -> torch.Tensor:
     """x [n, cols] times the weights of `blocks` [out, bytes a row] transposed -> [n, out] bfloat16: the weights
     dequantized to bfloat16 a tile of output rows at a time, each tile one GEMM (oneDNN's bfloat16 kernels)."""
     out = blocks.shape[0]
     x = rows.to(torch.bfloat16)
     y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)
     step = max(1, TILE // cols)
+    tile = torch.empty(min(step, out), cols, dtype=torch.bfloat16) if use_native else None
     for lo in range(0, out, step):
         hi = min(out, lo + step)
-        w = dequantize_rows(kind, blocks[lo:hi], cols).to(torch.bfloat16)  # [hi - lo, cols]
+        if use_native:  # [hi - lo, cols]
+            w = native.dequantize(kind, blocks[lo:hi], cols, torch.bfloat16, tile[: hi - lo])
+        else:
+            w = dequantize_rows(kind, blocks[lo:hi], cols).to(torch.bfloat16)
         torch.mm(x, w.T, out=y[:, lo:hi])
     return y
 
 
 class PackedLinear(torch.nn.Module):
     """y = x W^T (+ bias) with W a GGUF tensor's blocks of `kind` [rows (out), cols (in)]; x float32 or bfloat16,
-    y in x's dtype. `native=False` keeps this layer on the pure-torch path."""
+    y in x's dtype. Up to GEMV_ROWS rows run the native kernel where it is built (`native=False`, or torch_only(),
+    keeps the layer on the pure-torch path); more rows, bfloat16 GEMMs on weights dequantized a tile at a time."""
 
     def __init__(self, kind: str, rows: int, cols: int, tensors: dict[str, torch.Tensor],
                  bias: torch.Tensor | None = None, *, native: bool = True):
@@ -57,7 +69,10 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         rows = x.reshape(-1, self.in_features)
-        y = bf16_product(self.kind, self.blocks, rows, self.in_features).float()
+        use_native = _native_here(self.kind, self.native)
+        if use_native and rows.shape[0] <= GEMV_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+            return native.gemv(self.kind, self.blocks, self.in_features, rows, self.bias).view(*x.shape[:-1], self.out_features)
+        y = bf16_product(self.kind, self.blocks, rows, self.in_features, use_native).float()
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -1,0 +1,69 @@
+"""The optional native kernels (_native.c), when built: which CPU level they run at, and calls on torch tensors.
+
+Every call here checks what the C code trusts (dtypes, shapes, contiguity) before handing it data pointers."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .formats import row_bytes
+
+try:  # after torch: the extension then shares torch's OpenMP runtime (kernels/_native.c)
+    from . import _native
+except ImportError:  # not built (no compiler at install): the pure-torch path runs
+    _native = None
+
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+LEVELS = {1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}
+
+
+@functools.cache
+def level() -> int:
+    """The best kernel level of this CPU (0: none, the extension missing or the CPU without AVX2/FMA/F16C)."""
+    return _native.level() if _native is not None else 0
+
+
+def runs(kind: str) -> bool:
+    """Whether the native kernels run blocks of `kind` here."""
+    return kind in KINDS and level() > 0
+
+
+def _checked(kind: str, blocks: torch.Tensor, cols: int) -> int:
+    """The rows of `blocks`, after checking it holds whole rows of `cols` weights of `kind` where C reads them."""
+    if not (kind in KINDS and blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous()
+            and blocks.device.type == "cpu" and blocks.shape[1] == row_bytes(kind, cols)):
+        raise ValueError(f"{kind} blocks {blocks.dtype} {tuple(blocks.shape)} are not rows of {cols} weights")
+    return blocks.shape[0]
+
+
+def gemv(kind: str, blocks: torch.Tensor, cols: int, x: torch.Tensor, bias: torch.Tensor | None,
+         at: int | None = None) -> torch.Tensor:
+    """x [n, cols] (float32 or bfloat16) times the weights of `blocks` [rows, bytes a row] transposed (+ bias
+    [rows] float32) -> [n, rows] in x's dtype, with x quantized to 8 bits per block (integer dot products)."""
+    rows = _checked(kind, blocks, cols)
+    if not (x.dim() == 2 and x.shape[1] == cols and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
+            and (bias is None or (bias.dtype == torch.float32 and tuple(bias.shape) == (rows,)))):
+        raise ValueError(f"gemv: inputs {x.dtype} {tuple(x.shape)} do not fit a {kind} weight of {rows} x {cols}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    _native.gemv(KINDS[kind], blocks.data_ptr(), blocks.shape[1], rows, cols, x.data_ptr(), bf16, x.shape[0],
+                 out.data_ptr(), bf16, 0 if bias is None else bias.contiguous().data_ptr(), torch.get_num_threads(),
+                 level() if at is None else at)
+    return out
+
+
+def dequantize(kind: str, blocks: torch.Tensor, cols: int, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of blocks [rows, bytes a row] -> [rows, cols] float32 (gguf's values) or bfloat16 (those rounded)."""
+    rows = _checked(kind, blocks, cols)
+    if out is None:
+        out = torch.empty(rows, cols, dtype=dtype)
+    if not (dtype in (torch.float32, torch.bfloat16) and out.dtype == dtype and tuple(out.shape) == (rows, cols)
+            and out.is_contiguous() and out.device.type == "cpu"):
+        raise ValueError(f"dequantize: output {out.dtype} {tuple(out.shape)} does not fit {rows} x {cols} {dtype}")
+    _native.dequantize(KINDS[kind], blocks.data_ptr(), blocks.shape[1], rows, cols, out.data_ptr(),
+                       int(dtype == torch.bfloat16), torch.get_num_threads())
+    return out
