@@ -344,12 +344,21 @@ def _claim(target: Target, force: bool, stack: ExitStack, document: Document) ->
     shorter version (prefill extends it); a local one is locked to the run's end (a second prefill is refused at once)."""
     if not force:
         current = target.current() if isinstance(target, LocalTarget) and store.is_cache(target.path) else None
+        if current is not None and not pf.grew(current, document) and _edited(current, document):
+            raise CacheExistsError(f"{target.name}: holds the cache of {current.document.get('name')} as it was; the document "
+                                   "has changed since (not only grown at its end)",
+                                   hint="--force rebuilds it from the new text, or -o another path keeps both")
         force = current is not None and pf.grew(current, document)
     if isinstance(target, LocalTarget):
         writing.check_target(target.path, force=force)
         stack.enter_context(writing.writer_lock(target.path))
     elif not force and target.current() is not None:
         raise CacheExistsError(f"{target.name}: already exists (use --force to replace it)")
+
+
+def _edited(m: mf.Manifest, document: Document) -> bool:
+    """Whether a cache holds an earlier version of this document: the same file name, other bytes."""
+    return m.document.get("name") == document.record()["name"] and not document.same_source(m.document)
 
 
 def _done(job: Job, index: int, status: str, m: mf.Manifest, t0: float, r: pf.PrefillResult | None = None,
