@@ -365,7 +365,7 @@ def _doc(tmp_path: Path) -> Path:
 
 def test_a_second_prefill_of_a_cache_being_written_is_refused_before_loading(tmp_path, tiny_model_dir, monkeypatch):
     """Another writer holds the cache's lock (here a thread: any other thread or process counts): the second
-    prefill is refused at once, with the exit code of an existing cache, and loads no model."""
+    prefill is refused (after BUSY_WAIT_S), with the exit code of an existing cache, and loads no model."""
     import threading
 
     from kvcli.engine.model import models

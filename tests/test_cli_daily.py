@@ -183,3 +183,54 @@ def test_one_failed_prefill_is_one_event(tiny_model_dir, tmp_path):
     assert result.exit_code == 1
     assert error_lines(result) == [f"kvcli: error: {missing}: no such file"]
     assert "failed of" not in result.stderr
+
+
+# ---- a document edited in the middle
+
+
+def test_prefill_of_an_edited_document_says_it_changed_and_what_to_do(tiny_model_dir, tmp_path):
+    from tests.conftest import sample_text
+
+    doc = tmp_path / "contract.txt"
+    text = sample_text()[:2000]
+    doc.write_text(text, encoding="utf-8")
+    assert run("prefill", doc, "--model", tiny_model_dir, "--no-server", "-q").exit_code == 0
+    doc.write_text(text.replace("License", "Licence", 1), encoding="utf-8")  # edited, not grown
+    result = run("prefill", doc, "--model", tiny_model_dir, "--no-server")
+    line = assert_clean_error(result, 1, "contract.kv", "contract.txt", "has changed since")
+    assert "hint: --force rebuilds it from the new text, or -o another path keeps both" in result.stderr, line
+    again = run("prefill", doc, "--model", tiny_model_dir, "--no-server", "--force", "-q")
+    assert again.exit_code == 0, again.stderr
+    same = run("prefill", doc, "--model", tiny_model_dir, "--no-server")  # unchanged: as before
+    assert_clean_error(same, 1, "already exists")
+
+
+# ---- a prefill retried right after an interrupted one
+
+
+def test_a_prefill_retried_while_an_interrupted_one_cleans_up_waits_for_it(doc_file, tiny_model_dir, tmp_path):
+    import threading
+
+    from kvcli.format import writing
+
+    target = tmp_path / "retry.kv"
+    holding, release = threading.Event(), threading.Event()
+
+    def interrupted_writer():  # holds the lock as a cancelled run does while it ends its chunk and cleans up
+        with writing.writer_lock(target):
+            holding.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=interrupted_writer)
+    thread.start()
+    holding.wait(30)
+    timer = threading.Timer(1.0, release.set)
+    timer.start()
+    try:
+        result = run("prefill", doc_file, "-o", target, "--model", tiny_model_dir, "--no-server")
+    finally:
+        release.set()
+        timer.cancel()
+        thread.join()
+    assert result.exit_code == 0, result.stderr
+    assert (target / "manifest.json").is_file() and "another prefill" not in result.stderr

@@ -25,6 +25,7 @@ from ..errors import CacheBusyError, CacheExistsError, KvcliError, UsageError
 from .store import TMP_MARK, is_cache
 
 LOCK_SUFFIX = ".kvlock"  # ".NAME.kvlock" beside a cache: a prefill is writing NAME
+BUSY_WAIT_S = 5.0  # how long a second writer waits for a lock: a prefill interrupted mid-chunk ends its chunk, then cleans up
 _thread = threading.local()
 
 def _fsync_dir(path: Path) -> None:
@@ -165,7 +166,8 @@ def lock_path(target: str | os.PathLike) -> Path:
 @contextmanager
 def writer_lock(target: str | os.PathLike) -> Iterator[None]:
     """Hold the one lock on writing `target` (a flock on '.NAME.kvlock' beside it, removed on exit): another
-    writer, in any process or thread, is refused (CacheBusyError). A killed writer's lock file is free
+    writer, in any process or thread, is waited for BUSY_WAIT_S (an interrupted one cleaning up), then refused
+    (CacheBusyError). A killed writer's lock file is free
     (flock ends with its process). Reentrant within a thread."""
     path = lock_path(target)
     key = os.path.abspath(path)
@@ -181,6 +183,10 @@ def writer_lock(target: str | os.PathLike) -> Iterator[None]:
         yield
         return
     fd = _take(path)
+    deadline = time.monotonic() + BUSY_WAIT_S
+    while fd is None and time.monotonic() < deadline:  # a writer just interrupted still cleaning up: free in a moment
+        time.sleep(0.1)
+        fd = _take(path)
     if fd is None:
         pid = _read_pid(path)
         raise CacheBusyError(f"{target}: another prefill{f' (pid {pid})' if pid else ''} is writing this cache now; "
