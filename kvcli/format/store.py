@@ -11,6 +11,7 @@ import errno
 import hashlib
 import os
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,12 +118,17 @@ class ShardStream:
     def __init__(self, fd: int, where: str, size: int, digest: str, hash_name: str = SHARD_HASH):
         self.fd, self.where, self.size, self.digest = fd, where, size, digest
         self.pos, self._hash, self._head = 0, hasher(hash_name), b""
+        self.read_s = self.hash_s = 0.0  # seconds in reads and in hashing (restore's stage rates)
 
     def _next(self, n: int) -> bytes:
         n = min(n, self.size - self.pos)
+        t0 = time.perf_counter()
         chunk = os.pread(self.fd, n, self.pos) if n > 0 else b""
+        t1 = time.perf_counter()
         self.pos += len(chunk)
         self._hash.update(chunk)  # releases the GIL for large pieces
+        self.read_s += t1 - t0
+        self.hash_s += time.perf_counter() - t1
         return chunk
 
     def peek(self) -> bytes:

@@ -32,6 +32,18 @@ class FullLayer(DynamicLayer):
         self.mark = 0  # the document's length: rewind() goes back here
         self._k: torch.Tensor | None = None  # [batch, kv_heads, capacity, head_dim]
         self._v: torch.Tensor | None = None
+        self._arrival = None  # set by a restore onto a device: makes the reader wait for this layer's copy
+
+    def arriving(self, wait) -> None:
+        """The document's keys/values are still being copied in: `wait()` orders whatever reads them next
+        after the copy (on CUDA the compute stream waits on the layer's event; the host does not block)."""
+        self._arrival = wait
+
+    def arrive(self) -> None:
+        """Wait for this layer's restore (once; nothing to do for a layer already here)."""
+        wait, self._arrival = self._arrival, None
+        if wait is not None:
+            wait()
 
     # ---- buffers
     def allocate(self, key_shape, value_shape, dtype, device, room: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +63,7 @@ class FullLayer(DynamicLayer):
         """Move to a buffer for at least `need` tokens, copying the used part: `need` rounded up to whole steps,
         at least one step more, never a fraction of the whole cache (a long document must not grow by a quarter
         of itself for a few answer tokens)."""
+        self.arrive()  # the used part is copied below
         cap = self._k.shape[2]
         new = max(need, cap + self.step)
         new = -(-new // self.step) * self.step
@@ -82,6 +95,7 @@ class FullLayer(DynamicLayer):
         """Write [b, h, q, d] new keys/values after the used part; return views of everything so far."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.arrive()  # attention reads the document's keys/values returned below
         q = key_states.shape[-2]
         if self.offset + q > self._k.shape[2]:
             self._grow(self.offset + q)
@@ -126,6 +140,7 @@ class FullLayer(DynamicLayer):
     # ---- batch operations (beam search and friends): applied to the buffers, views rebuilt
     def _map(self, fn) -> None:
         if self.is_initialized:
+            self.arrive()
             self._k, self._v = fn(self._k), fn(self._v)
             self._views()
 
@@ -153,6 +168,14 @@ class SlidingLayer(DynamicSlidingWindowLayer):
     def __init__(self, sliding_window: int, **kwargs):
         super().__init__(sliding_window=sliding_window)
         self._doc: tuple[Any, Any, int] | None = None
+        self._arrival = None
+
+    arriving = FullLayer.arriving
+    arrive = FullLayer.arrive
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.arrive()  # transformers' update reads the window's keys/values
+        return super().update(key_states, value_states, *args, **kwargs)
 
     def restore(self, keys: torch.Tensor, values: torch.Tensor, seq_length: int) -> None:
         """Hold a document's state: keys/values [b, h, min(n, window-1), d] and its counted length n."""
@@ -188,6 +211,7 @@ class KVCache(Cache):
     def __init__(self, layers: list[FullLayer | SlidingLayer]):
         super().__init__(layers=layers)
         self.processed = 0
+        self.restore_stats = None  # restore.RestoreStats of the restore that made it
 
     @classmethod
     def for_plan(cls, plan: list[tuple[str, int | None]], reserve: int = 0) -> "KVCache":
@@ -242,8 +266,16 @@ class KVCache(Cache):
             layer.rewind()
         self.processed = 0
 
-    def states(self) -> list[ly.LayerState]:
-        """The document's state of every layer (views, not copies)."""
+    def arrive(self) -> None:
+        """Order whatever reads any layer next after that layer's restore (see FullLayer.arriving)."""
+        for layer in self.layers:
+            layer.arrive()
+
+    def states(self, wait: bool = True) -> list[ly.LayerState]:
+        """The document's state of every layer (views, not copies). wait=False: the views without waiting for a
+        restore still copying them in (for their shapes and lengths; reading them needs arrive())."""
+        if wait:
+            self.arrive()
         out = []
         for layer in self.layers:
             k, v = layer.document()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-from . import layers
+from . import layers, transfer
 from .kvcache import GROW_STEP, FullLayer, KVCache, SlidingLayer
 from ...errors import CacheCorruptError
 from ...format.codec import DTYPES, decode_layer
@@ -17,23 +21,78 @@ ROOM_TOKENS = QUESTION_TOKENS + ANSWER_TOKENS  # spare tokens after each full-at
 # and a default-length answer append in place; a longer one grows the buffer once, to what it needs (engine/decoding/solo.py)
 
 
+@dataclass
+class RestoreStats:
+    """Where a restore's time went, stage by stage (kvcli bench and tests/bench report the rates).
+
+    read_s, hash_s and decode_s are summed over the threads that ran them (decode_s: decompressing and undoing
+    byte planes, without the reads and hashing it triggered); copy_s is the device's own time for the copies
+    (CUDA events; 0 on the CPU). wall_s is the whole load_cache call; on a device, copies may still run after it
+    returns (each layer's compute waits for its own)."""
+
+    layers: int = 0
+    threads: int = 0
+    bytes_stored: int = 0
+    bytes_raw: int = 0
+    wall_s: float = 0.0
+    read_s: float = 0.0
+    hash_s: float = 0.0
+    decode_s: float = 0.0
+    staging_wait_s: float = 0.0
+    copy_queue_s: float = 0.0
+    copy_s: float = 0.0
+    device: str = "cpu"
+    _link: Any = field(default=None, repr=False)
+
+    def rates(self) -> dict[str, float | None]:
+        """GB/s of each stage on all threads at once (a stage's bytes / its seconds per thread), and the whole."""
+        def rate(nbytes: int, seconds: float, threads: int = 1) -> float | None:
+            return nbytes / (seconds / max(1, threads)) / 1e9 if seconds > 0 else None
+
+        if self._link is not None and not self.copy_s and hasattr(self._link, "copy_seconds"):
+            self.copy_s = self._link.copy_seconds()
+        return {"read_gb_s_stored": rate(self.bytes_stored, self.read_s, self.threads),
+                "hash_gb_s_stored": rate(self.bytes_stored, self.hash_s, self.threads),
+                "decompress_gb_s_raw": rate(self.bytes_raw, self.decode_s, self.threads),
+                "copy_gb_s_raw": rate(self.bytes_raw, self.copy_s),
+                "restore_gb_s_raw": rate(self.bytes_raw, self.wall_s)}
+
+
 def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threads: int | None = None,
-               room: int | None = None) -> KVCache:
+               room: int | None = None, link: transfer.Link | None = None) -> KVCache:
     """Read, verify and decompress every shard in parallel threads into a KVCache on `device` in `dtype`.
 
-    Each shard is streamed once, hashed as it is decompressed straight into its layer's buffer
-    (full-attention layers get `room` spare tokens, default ROOM_TOKENS, after the document): peak memory
-    is the restored cache plus a few 1 MiB buffers per thread. Layer kinds come from the manifest (fit.check_fits compares them
-    with the model first).
+    Each shard is streamed once, hashed as it is decompressed (full-attention layers get `room` spare tokens,
+    default ROOM_TOKENS, after the document): peak memory is the restored cache plus a few 1 MiB buffers per
+    thread. Layer kinds come from the manifest (fit.check_fits compares them with the model first).
+
+    On the CPU each shard decodes straight into its layer's buffer. On a device (or with `link`, any
+    transfer.Link) each shard decodes into a host staging buffer (pinned on CUDA), is copied to the device
+    asynchronously, and its layer waits for its own copy only when a computation first reads it
+    (KVCache's layers hold the wait): decoding, copying and the question's first layers overlap. Every shard is
+    decoded and verified before this returns, so a damaged one is refused here, never mid-question.
+    The cache's `restore_stats` (RestoreStats) says where the time went.
     """
     import torch
 
+    t0 = time.perf_counter()
     m = cache.manifest
     links = cache.chain()  # one cache, or the links of a chain (`prefill --after`), the first first
     stored = DTYPES[m.dtype]
     target = dtype or stored
-    direct = torch.device(device).type == "cpu" and target == stored
+    link = link if link is not None else transfer.link_for(device)
+    device = link.device if link is not None else torch.device(device)
+    direct = link is None and device.type == "cpu" and target == stored
     extra = max(0, ROOM_TOKENS if room is None else room)
+    workers = threads or default_threads(len(m.layers))
+    stats = RestoreStats(layers=len(m.layers), threads=min(workers, len(m.layers)), device=str(device),
+                         bytes_stored=sum(c.manifest.bytes_stored for c in links), _link=link)
+    lock = threading.Lock()
+    staging = None
+    if link is not None:
+        item = torch.empty((), dtype=stored).element_size()
+        largest = max(item * (math.prod(e.key_shape) + math.prod(e.value_shape)) for c in links for e in c.manifest.layers)
+        staging = transfer.Staging(largest, stats.threads + 1, link.pinned, link.synchronize)
 
     def allocate(i: int):
         entry = m.layers[i]
@@ -46,28 +105,66 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
             values = torch.empty(entry.value_shape, dtype=target, device=device)
         return layer, keys, values
 
-    def fill(i: int, link, keys, values) -> None:
-        start = link.manifest.base_tokens if m.layers[i].kind == "full" else 0
-        span = link.manifest.layers[i].key_shape[2]
+    def fill(i: int, link_cache: OpenedCache, keys, values) -> None:
+        entry = link_cache.manifest.layers[i]
+        start = link_cache.manifest.base_tokens if m.layers[i].kind == "full" else 0
+        span = entry.key_shape[2]
         out = (keys[:, :, start : start + span], values[:, :, start : start + span])  # [1, kv_heads, span, head_dim]
         if direct:
-            _decode_shard(link, i, stored, out)
-        else:  # another dtype or device: decode on the CPU, then convert into place
-            k, v = _decode_shard(link, i, stored, None)
+            _decode_shard(link_cache, i, stored, out, stats, lock)
+        elif staging is not None:  # into a staging buffer, then an asynchronous copy to the device
+            buf = staging.take()
+            event = None
+            try:
+                k, v = transfer.views(buf, stored, entry.key_shape, entry.value_shape)
+                _decode_shard(link_cache, i, stored, (k, v), stats, lock)
+                link.copy(out[0], k)
+                link.copy(out[1], v)
+                event = link.record()
+            finally:
+                staging.give(buf, event)  # reused only once the copies reading it completed
+            return event
+        else:  # another dtype on the CPU: decode, then convert into place
+            k, v = _decode_shard(link_cache, i, stored, None, stats, lock)
             out[0].copy_(k)
             out[1].copy_(v)
+        return None
 
-    def one(i: int) -> None:  # a layer's links in one task: as many tasks as a single cache has
-        for link in links if m.layers[i].kind == "full" else [cache]:
-            fill(i, link, *built[i][1:])
+    def one(i: int):  # a layer's links in one task: as many tasks as a single cache has
+        event = None
+        for link_cache in links if m.layers[i].kind == "full" else [cache]:
+            event = fill(i, link_cache, *built[i][1:])
+        return event
 
     built = [allocate(i) for i in range(len(m.layers))]
-    with ThreadPoolExecutor(max_workers=threads or default_threads(len(m.layers))) as pool:
-        list(pool.map(one, range(len(m.layers))))
-    for entry, (layer, keys, values) in zip(m.layers, built):
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            events = list(pool.map(one, range(len(m.layers))))
+    finally:
+        if staging is not None:
+            stats.staging_wait_s = staging.wait_s
+            transfer.release(staging)
+    for entry, (layer, keys, values), event in zip(m.layers, built, events):
         if entry.kind != "full":
             layer.restore(keys, values, entry.seq_length)
-    return KVCache([layer for layer, _k, _v in built])
+        if event is not None:
+            layer.arriving(lambda event=event: link.wait(event))  # the layer's first reader waits for its copy
+    if link is not None:
+        stats.copy_queue_s = getattr(link, "copy_s", 0.0)
+    stats.bytes_raw = _raw(m, stored)
+    kv = KVCache([layer for layer, _k, _v in built])
+    stats.wall_s = time.perf_counter() - t0
+    kv.restore_stats = stats
+    return kv
+
+
+def _raw(m, dtype) -> int:
+    """Raw bytes of a chain's restored keys/values (every full layer's whole span, sliding layers' windows)."""
+    import torch
+
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum(item * (math.prod(_whole(e.key_shape, m) if e.kind == "full" else e.key_shape)
+                       + math.prod(_whole(e.value_shape, m) if e.kind == "full" else e.value_shape)) for e in m.layers)
 
 
 def _whole(shape: tuple[int, ...], m) -> tuple[int, ...]:
@@ -87,7 +184,8 @@ def load_states(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, thre
     return load_cache(cache, device=device, dtype=dtype, threads=threads, room=room).states()
 
 
-def _decode_shard(cache: OpenedCache, i: int, stored: Any, out):
+def _decode_shard(cache: OpenedCache, i: int, stored: Any, out, stats: RestoreStats | None = None,
+                  lock: threading.Lock | None = None):
     """Decode layer i (into `out` if given), hashing the shard as it streams into the decompressor.
 
     One pass over the stored bytes: each piece is hashed, then decompressed while still in the CPU cache. The
@@ -97,6 +195,7 @@ def _decode_shard(cache: OpenedCache, i: int, stored: Any, out):
     """
     entry = cache.manifest.layers[i]
     stream = cache.stream_shard(i)  # size checked against the manifest before anything is read
+    t0 = time.perf_counter()
     try:
         result = decode_layer(
             stream,
@@ -113,4 +212,9 @@ def _decode_shard(cache: OpenedCache, i: int, stored: Any, out):
         stream.verify()  # a damaged shard is reported by its checksum
         raise
     stream.verify()  # before the layer is used
+    if stats is not None:
+        with lock:
+            stats.read_s += stream.read_s
+            stats.hash_s += stream.hash_s
+            stats.decode_s += time.perf_counter() - t0 - stream.read_s - stream.hash_s
     return result

@@ -27,7 +27,7 @@ class OneRowDecoder(RowQueue):
     rewound to the document whenever a row leaves."""
 
     def __init__(self, model: Any, cache: Any, *, eos: set[int], length: int | None = None, ways: Faster | None = None):
-        super().__init__(model, cache.states(), eos, length)
+        super().__init__(model, cache.states(wait=False), eos, length)  # lengths only: each layer waits for its restore when read
         self.cache = cache
         self.device = model.device
         self._keep = {"logits_to_keep": 1} if self.keeps_logits else {}  # the lm head at the last id only

@@ -1,0 +1,247 @@
+"""The restore pipeline onto a device (engine/cache/restore.py, transfer.py), on the CPU through a fake device link
+whose copies run late on a thread of their own, as a copy stream does: layers arrive bit-identical to the CPU
+restore, a staging buffer is never rewritten under a copy still reading it, each layer's compute waits for its
+own copy only, and the question's first layers run while later layers are still copied. On a CUDA machine the
+same checks run on the real copy stream."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+import torch
+
+from kvcli.documents import decode
+from kvcli.engine.cache import restore, transfer
+from kvcli.engine.cache.kvcache import FullLayer
+from kvcli.engine.prefilling import prefill
+from kvcli.errors import CacheCorruptError
+from kvcli.format import store
+from tests.conftest import sample_text
+
+
+class FakeLink:
+    """A transfer.Link whose 'device' is the CPU: copies are queued to one thread that runs them in order after
+    `delay` seconds each (reading the staging buffer only then, as a DMA engine does); events are threading.Events;
+    wait() blocks the caller until the event is set (a stream wait, made visible). Every step is logged."""
+
+    pinned = False
+
+    def __init__(self, delay: float = 0.0):
+        self.device = torch.device("cpu")
+        self.delay = delay
+        self.log: list[tuple[str, object]] = []
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, a, b = item
+            if kind == "copy":
+                time.sleep(self.delay)
+                a.copy_(b)
+                self._note("copied", a.data_ptr())
+            else:
+                a.set()
+                self._note("event", a)
+
+    def _note(self, what: str, thing: object) -> None:
+        with self._lock:
+            self.log.append((what, thing))
+
+    def copy(self, dst, src) -> None:
+        self._note("queued", dst.data_ptr())
+        self._queue.put(("copy", dst, src))
+
+    def record(self):
+        event = threading.Event()
+        self._queue.put(("event", event, None))
+        return event
+
+    def wait(self, event) -> None:
+        event.wait()
+        self._note("waited", event)
+
+    def synchronize(self, event) -> None:
+        event.wait()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+@pytest.fixture
+def doc():
+    return decode(sample_text()[:1500].encode(), "doc.txt")
+
+
+@pytest.fixture
+def cache_path(tiny_lm, doc, tmp_path):
+    path = tmp_path / "doc.kv"
+    prefill(tiny_lm, doc, path, chunk_size=64)
+    return path
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _same(a, b) -> bool:
+    return all(x.kind == y.kind and x.seq_length == y.seq_length and torch.equal(_bits(x.keys), _bits(y.keys))
+               and torch.equal(_bits(x.values), _bits(y.values)) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("staging", [1, 2, 8])
+def test_layers_arrive_bit_identical_and_no_staging_buffer_is_reused_early(cache_path, monkeypatch, staging):
+    """Copies run late (each after a pause), with as few as one staging buffer: a buffer rewritten before its copy
+    read it would put another layer's bytes in place, which the bitwise comparison would catch."""
+    made = []
+    real = transfer.Staging
+
+    def staging_of(nbytes, count, pinned, sync):
+        made.append(real(nbytes, staging, pinned, sync))
+        return made[-1]
+
+    monkeypatch.setattr(transfer, "Staging", staging_of)
+    link = FakeLink(delay=0.002)
+    try:
+        with store.open_cache(cache_path) as opened:
+            want = restore.load_cache(opened).states()
+            got = restore.load_cache(opened, link=link, threads=3)
+        assert made and made[0].count == staging
+        assert _same(got.states(), want)
+        stats = got.restore_stats
+        assert stats.layers == len(want) and stats.bytes_raw == sum(
+            s.keys.numel() * s.keys.element_size() + s.values.numel() * s.values.element_size() for s in want)
+        assert stats.read_s > 0 and stats.hash_s > 0 and stats.decode_s > 0
+    finally:
+        link.close()
+
+
+def test_each_layer_waits_for_its_own_copy_only(cache_path):
+    """load_cache returns with copies still queued; a layer's first reader waits for that layer's event, once, and
+    reading layer 0 does not wait for the last layer's copy."""
+    link = FakeLink(delay=0.02)
+    try:
+        with store.open_cache(cache_path) as opened:
+            kv = restore.load_cache(opened, link=link, threads=2)
+        layers = kv.layers
+        assert len(layers) >= 2
+        assert all(layer._arrival is not None for layer in layers)
+        last_copy_done = layers[-1]._k.data_ptr()
+        layers[0].arrive()
+        with link._lock:
+            log = list(link.log)
+        assert sum(1 for e in log if e[0] == "waited") == 1
+        assert ("copied", last_copy_done) not in log  # layer 0 was read before the last layer had arrived
+        assert layers[0]._arrival is None and layers[-1]._arrival is not None
+        kv.arrive()  # every layer: all copies done
+        assert all(layer._arrival is None for layer in layers)
+        assert sum(1 for e in link.log if e[0] == "waited") == len(layers)
+        assert ("copied", last_copy_done) in link.log
+    finally:
+        link.close()
+
+
+def test_a_question_reads_each_layer_after_its_copy(tiny_lm, cache_path):
+    """The model's forward pass over a question: every layer's update (where attention gets the document's
+    keys/values) comes after that layer's copy, and the logits equal those on the CPU restore."""
+    link = FakeLink(delay=0.005)
+    order = []
+    try:
+        with store.open_cache(cache_path) as opened:
+            ref = restore.load_cache(opened)
+            kv = restore.load_cache(opened, link=link)
+        for i, layer in enumerate(kv.layers):
+            wait = layer._arrival
+
+            def logged(wait=wait, i=i):
+                wait()
+                order.append(("arrived", i))
+
+            layer.arriving(logged)
+            update = layer.update
+
+            def logged_update(*a, update=update, i=i, **k):
+                order.append(("update", i))
+                return update(*a, **k)
+
+            layer.update = logged_update
+        ids = torch.tensor([tiny_lm.tokenizer.encode(" What is licensed?")])
+        n = ref.get_seq_length()
+        with torch.inference_mode():
+            mask = torch.ones((1, n + ids.shape[1]), dtype=torch.long)
+            want = tiny_lm.model(input_ids=ids, attention_mask=mask, cache=ref, use_cache=True).logits
+            got = tiny_lm.model(input_ids=ids, attention_mask=mask, cache=kv, use_cache=True).logits
+        assert torch.equal(want, got)
+        # layer i's keys/values are handed to attention (update returns them) only after layer i arrived, and
+        # layer i waited for nothing but its own copy: arrivals interleave with the forward pass, layer by layer
+        assert order == [e for i in range(len(kv.layers)) for e in (("update", i), ("arrived", i))]
+    finally:
+        link.close()
+
+
+def test_a_damaged_shard_is_refused_before_any_copy_is_read(cache_path):
+    m = store.read_manifest(cache_path)
+    shard = cache_path / m.layers[1].file
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    link = FakeLink()
+    try:
+        with store.open_cache(cache_path) as opened, pytest.raises(CacheCorruptError, match=m.layers[1].file):
+            restore.load_cache(opened, link=link, threads=2)
+    finally:
+        link.close()
+
+
+def test_another_dtype_on_the_device(cache_path):
+    link = FakeLink()
+    try:
+        with store.open_cache(cache_path) as opened:
+            want = restore.load_cache(opened, dtype=torch.bfloat16).states()
+            got = restore.load_cache(opened, dtype=torch.bfloat16, link=link).states()
+        assert _same(got, want) and got[0].keys.dtype == torch.bfloat16
+    finally:
+        link.close()
+
+
+def test_staging_waits_for_the_copy_that_read_a_buffer():
+    done = threading.Event()
+    synced = []
+    staging = transfer.Staging(16, 1, False, lambda event: (event.wait(), synced.append(event)))
+    buf = staging.take()
+    staging.give(buf, done)
+    threading.Timer(0.05, done.set).start()
+    again = staging.take()  # blocks until the copy's event completed
+    assert again is buf and synced == [done] and done.is_set()
+
+
+def test_a_layer_restored_on_the_cpu_has_nothing_to_wait_for(cache_path):
+    with store.open_cache(cache_path) as opened:
+        kv = restore.load_cache(opened)
+    assert all(layer._arrival is None for layer in kv.layers)
+    assert kv.restore_stats.rates()["restore_gb_s_raw"] > 0
+    assert isinstance(kv.layers[0], FullLayer)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+@cuda
+def test_cuda_restore_equals_the_cpu_restore(cache_path):
+    with store.open_cache(cache_path) as opened:
+        want = restore.load_cache(opened).states()
+        kv = restore.load_cache(opened, device="cuda")
+    assert kv.restore_stats.rates()["copy_gb_s_raw"] > 0
+    got = kv.states()
+    torch.cuda.synchronize()
+    assert all(s.keys.device.type == "cuda" for s in got)
+    assert _same([type(s)(s.kind, s.keys.cpu(), s.values.cpu(), s.seq_length, s.sliding_window) for s in got], want)
