@@ -201,6 +201,7 @@ def _measure(lm, doc, frame, path, qs, chunk_size, transform, level, note, answe
     times, cache = formats.timed(lambda: formats.restore_cache(lm, path))
     row["restore_s"] = statistics.median(times)
     row["restore_all_s"] = times
+    row["restore_stages"] = cache.restore_stats.rates()  # the last restore's read, hash, decompress (and copy) rates
 
     note("  naive: torch.save of the layer tensors, torch.load back")
     naive = path.with_suffix(".pt")

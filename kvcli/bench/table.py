@@ -34,6 +34,7 @@ def render(result: dict[str, Any]):
         ("  per row-token", lambda r, q: f"{r['batch_ms_per_row_token']:.0f} ms"),
         ("restore", lambda r, q: f"{r['restore_s']:.3f} s"),
         ("  GB/s of raw", lambda r, q: f"{q['restore_gb_per_s']:.2f}"),
+        ("  stages, GB/s", lambda r, q: _stages(r.get("restore_stages"))),
         ("raw / on disk", lambda r, q: f"{r['bytes_raw'] / 1e6:,.1f} / {r['bytes_on_disk'] / 1e6:,.1f} MB"),
         ("  on disk", lambda r, q: f"{q['disk_over_raw']:.1%} of raw"),
         ("naive size", lambda r, q: f"{q['naive_over_kvcli_bytes']:.2f}x"),
@@ -49,6 +50,15 @@ def render(result: dict[str, Any]):
         for label, cells in _format_rows(sizes):
             table.add_row(label, *cells)
     return table
+
+
+def _stages(rates: dict[str, Any] | None) -> str:
+    """A restore's stage rates on all threads: read and hash of stored bytes, decompress (and copy) of raw."""
+    if not rates:
+        return "-"
+    names = (("read_gb_s_stored", "read"), ("hash_gb_s_stored", "hash"), ("decompress_gb_s_raw", "decompress"),
+             ("copy_gb_s_raw", "copy"))
+    return ", ".join(f"{label} {rates[k]:.1f}" for k, label in names if rates.get(k))
 
 
 def _format_rows(sizes: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:

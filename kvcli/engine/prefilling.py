@@ -146,6 +146,7 @@ def prefill(
     progress: ProgressFn | None = None,
     transform: str = DEFAULT_TRANSFORM,
     level: int = DEFAULT_LEVEL,
+    compression: str | None = None,
     kv_bits: int | None = None,
     group_size: int = QUANT_GROUP,
     exact_tokens: int | None = None,
@@ -162,12 +163,20 @@ def prefill(
     computed (from the first token whose id changed) and the grown cache replaces it; by default unless force
     (which then recomputes all).
 
+    compression: "small" (the default: byte planes, zstd level 1) or "fast" (plain bytes, zstd level -1: larger,
+    restored several times faster; format/codec.py's COMPRESSION), else `transform` and `level` as given.
     kv_bits 8 or 4 stores it group-quantized (lossy, 4-8x smaller than raw; see format/quant.py);
     None (the default) stores it losslessly. split: the document's ids and framing from the fit check made
     with this model's tokenizer before it loaded (counting.Counter.refuse_too_long), so it is tokenized once."""
     if chunk_size < 1:
         raise UsageError(f"--chunk-size must be positive, got {chunk_size}")
     mf.check_kv_bits(kv_bits)
+    if compression is not None:
+        from ..format.codec import COMPRESSION
+
+        if compression not in COMPRESSION:
+            raise UsageError(f"--compression {compression}: choose {' or '.join(COMPRESSION)}")
+        transform, level = COMPRESSION[compression]
     if exact_tokens is None:
         exact_tokens = QUANT_EXACT.get(kv_bits, 0)
     if recent_tokens is None:
@@ -204,13 +213,13 @@ def prefill(
                 b = base.manifest.num_tokens
                 states = [layers.LayerState(s.kind, s.keys[:, :, b:], s.values[:, :, b:], s.seq_length, None)
                           if s.kind == "full" else s for s in states]
-            compression = {"codec": "zstd", "level": level, "transform": transform}
+            stored = {"codec": "zstd", "level": level, "transform": transform}
             if kv_bits is not None:
-                compression = {**compression, "transform": "none",
-                               "quant": quant_spec(states, kv_bits, group_size=group_size, exact_tokens=exact_tokens,
-                                                  recent_tokens=recent_tokens)}
-            entries = write_layers(tmp, states, len(ids), transform=compression["transform"], level=level,
-                                   quant=compression.get("quant"))
+                stored = {**stored, "transform": "none",
+                          "quant": quant_spec(states, kv_bits, group_size=group_size, exact_tokens=exact_tokens,
+                                             recent_tokens=recent_tokens)}
+            entries = write_layers(tmp, states, len(ids), transform=stored["transform"], level=level,
+                                   quant=stored.get("quant"))
             manifest = mf.Manifest(
                 format_version=mf.FORMAT_VERSION,
                 kvcli_version=__version__,
@@ -220,7 +229,7 @@ def prefill(
                 framing=frame.record(lm.tokenizer),
                 document=document.record(),
                 token_ids=ids,
-                compression=compression,
+                compression=stored,
                 layers=entries,
                 provenance=provenance(lm),
                 base=_link(out, base) if base is not None else None,

@@ -26,6 +26,17 @@ import zstandard
 from . import dtypes, payload
 
 TRANSFORMS = ("none", "byteplane")
+# Lossless storage settings by what they are for: "small" (byte planes, zstd level 1) stores float32 caches at
+# about 0.83 of raw and bfloat16 ones at about 0.7; "fast" (plain bytes, zstd level -1) stores near raw size and
+# decompresses several times faster, for caches restored where cores, not disks, are the limit (a GPU host
+# restoring from the page cache). Measured: docs/performance.md, "Storage for speed or size".
+COMPRESSION = {"small": ("byteplane", 1), "fast": ("none", -1)}  # name -> (transform, zstd level)
+DEFAULT_COMPRESSION = "small"
+
+
+def compression_name(transform: str, level: int | None) -> str | None:
+    """The setting a cache's transform and level are, or None for another combination."""
+    return next((name for name, spec in COMPRESSION.items() if spec == (transform, level)), None)
 DTYPES = {name: getattr(torch, name) for name in dtypes.DTYPES}  # stored dtype name -> torch dtype
 PLANE_CHUNK = 1 << 20  # bytes of one plane decompressed per step when undoing byte planes: no slower than smaller
 # reads (tests/bench/bench_restore.py); the scatter is a flat strided copy
