@@ -245,3 +245,20 @@ def test_cuda_restore_equals_the_cpu_restore(cache_path):
     torch.cuda.synchronize()
     assert all(s.keys.device.type == "cuda" for s in got)
     assert _same([type(s)(s.kind, s.keys.cpu(), s.values.cpu(), s.seq_length, s.sliding_window) for s in got], want)
+
+
+def test_the_fast_setting_stores_plain_bytes_and_restores_the_same_layers(tiny_lm, doc, tmp_path):
+    from kvcli.errors import UsageError
+    from kvcli.format import codec
+
+    small, fast = tmp_path / "small.kv", tmp_path / "fast.kv"
+    prefill(tiny_lm, doc, small, chunk_size=64)
+    prefill(tiny_lm, doc, fast, chunk_size=64, compression="fast")
+    ms, mf_ = store.read_manifest(small), store.read_manifest(fast)
+    assert codec.compression_name(ms.transform, ms.compression["level"]) == "small"
+    assert (mf_.transform, mf_.compression["level"]) == codec.COMPRESSION["fast"] == ("none", -1)
+    store.verify(fast)
+    with store.open_cache(small) as a, store.open_cache(fast) as b:
+        assert _same(restore.load_cache(b).states(), restore.load_cache(a).states())
+    with pytest.raises(UsageError, match="--compression tiny: choose small or fast"):
+        prefill(tiny_lm, doc, tmp_path / "x.kv", compression="tiny")

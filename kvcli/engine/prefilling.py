@@ -163,8 +163,7 @@ def prefill(
     computed (from the first token whose id changed) and the grown cache replaces it; by default unless force
     (which then recomputes all).
 
-    compression: "small" (the default: byte planes, zstd level 1) or "fast" (plain bytes, zstd level -1: larger,
-    restored several times faster; format/codec.py's COMPRESSION), else `transform` and `level` as given.
+    compression: "small" (the default) or "fast" (larger, restored faster: format/codec.py), else transform and level.
     kv_bits 8 or 4 stores it group-quantized (lossy, 4-8x smaller than raw; see format/quant.py);
     None (the default) stores it losslessly. split: the document's ids and framing from the fit check made
     with this model's tokenizer before it loaded (counting.Counter.refuse_too_long), so it is tokenized once."""
@@ -172,11 +171,9 @@ def prefill(
         raise UsageError(f"--chunk-size must be positive, got {chunk_size}")
     mf.check_kv_bits(kv_bits)
     if compression is not None:
-        from ..format.codec import COMPRESSION
+        from ..format.codec import compression_spec
 
-        if compression not in COMPRESSION:
-            raise UsageError(f"--compression {compression}: choose {' or '.join(COMPRESSION)}")
-        transform, level = COMPRESSION[compression]
+        transform, level = compression_spec(compression)
     if exact_tokens is None:
         exact_tokens = QUANT_EXACT.get(kv_bits, 0)
     if recent_tokens is None:

@@ -34,6 +34,15 @@ COMPRESSION = {"small": ("byteplane", 1), "fast": ("none", -1)}  # name -> (tran
 DEFAULT_COMPRESSION = "small"
 
 
+def compression_spec(name: str) -> tuple[str, int]:
+    """(transform, zstd level) of a setting; UsageError naming the choices for any other name."""
+    if name not in COMPRESSION:
+        from ..errors import UsageError
+
+        raise UsageError(f"--compression {name}: choose {' or '.join(COMPRESSION)}")
+    return COMPRESSION[name]
+
+
 def compression_name(transform: str, level: int | None) -> str | None:
     """The setting a cache's transform and level are, or None for another combination."""
     return next((name for name, spec in COMPRESSION.items() if spec == (transform, level)), None)
