@@ -262,3 +262,13 @@ def test_the_fast_setting_stores_plain_bytes_and_restores_the_same_layers(tiny_l
         assert _same(restore.load_cache(b).states(), restore.load_cache(a).states())
     with pytest.raises(UsageError, match="--compression tiny: choose small or fast"):
         prefill(tiny_lm, doc, tmp_path / "x.kv", compression="tiny")
+
+
+def test_device_auto_picks_the_gpu_when_there_is_one(monkeypatch):
+    from kvcli.engine.model import models
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert models.pick_device("auto") == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert models.pick_device("auto") == "cpu"
