@@ -40,6 +40,9 @@ def test_bench_run_smoke(tiny_lm, tmp_path):
         assert r["batch_ms_per_step"] >= r["batch_ms_per_row_token"] > 0 and r["batch_decoding"]
         assert r["peak_rss_bytes"] > 0 and r["peak_rss_scope"] == "length"  # Linux: the mark is reset per length
         assert 0 < r["bytes_shards"] < r["bytes_on_disk"] and r["bytes_raw"] > 0 and r["naive_bytes"] > 0
+        stages = r["restore_stages"]  # the restore's own stage rates; no copy stage on the CPU
+        assert all(stages[k] > 0 for k in ("read_gb_s_stored", "hash_gb_s_stored", "decompress_gb_s_raw", "restore_gb_s_raw"))
+        assert stages["copy_gb_s_raw"] is None
         for value in r["ratios"].values():
             assert isinstance(value, float) and not math.isnan(value)
     assert list(tmp_path.iterdir()) == []  # caches and naive files cleaned up
@@ -52,6 +55,7 @@ def test_bench_run_smoke(tiny_lm, tmp_path):
     console.print(bench.render(result))
     text = console.export_text()
     assert "speedup" in text and "naive restore" in text and "48" in text and "answers = recompute" in text and "tok/s" in text
+    assert "stages, GB/s" in text and "decompress" in text
     assert "ms/token" in text and "8 batched" in text and "ms/step" in text and "per row-token" in text and "peak RSS" in text
 
 
