@@ -223,3 +223,15 @@ def test_packed_linear_native_and_torch_paths(kind):
     _close(slow, ref, 2e-2)
     many = torch.randn(modules.GEMV_ROWS + 1, cols)  # prefill: bfloat16 GEMM on natively dequantized tiles
     assert torch.equal(layer(many), torch_layer(many))
+
+
+def test_packed_linear_has_no_parameters_and_takes_a_converted_bias():
+    """transformers reads a model's dtype from its first parameter: the layer has none (its bias is a buffer), and a
+    model moved to bfloat16 (its buffers with it) still runs."""
+    layer, w, b = _layer("Q8_0", 32, 256, bias=True)
+    assert not list(layer.parameters()) and layer.bias.dtype == torch.float32
+    x = torch.randn(1, 256)
+    before = layer(x)
+    layer.to(torch.bfloat16)
+    assert layer.bias.dtype == torch.bfloat16 and layer.blocks.dtype == torch.uint8
+    _close(layer(x), before.double(), 2e-2)

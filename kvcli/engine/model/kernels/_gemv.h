@@ -73,150 +73,185 @@ static void FN(quantize_row)(const void *xv, int bf16, int64_t cols, int group, 
     }
 }
 
-/* Per-32 formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against activations quantized per 32 (q, d, sums s). */
-static float FN(dot_q32)(int kind, const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *s) {
-    __m256 acc = _mm256_setzero_ps();
-    float corr = 0.0f;
+#define INLINE static inline __attribute__((always_inline))
+
+/* Per-32 formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), R rows at a time (w: the first row, `stride` bytes between rows),
+   against one row of activations quantized per 32 (q, d, sums s): res[r] = the dot product of row r. Offsets of
+   unsigned codes (-8, -16) are taken off as integers (times the activations' sums) before the block's scale. */
+INLINE void FN(dot_q32)(const int kind, const int R, const uint8_t *w, int64_t stride, int64_t nb, const int8_t *q,
+                        const float *d, const int32_t *s, float *res) {
+    __m256 acc[4];
+    float corr[4] = {0, 0, 0, 0};
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const int size = kind == K_Q8_0 ? 34 : kind == K_Q4_0 ? 18 : kind == K_Q4_1 ? 20 : kind == K_Q5_0 ? 22 : 24;
     for (int64_t b = 0; b < nb; b++) {
-        __m256i x = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
-        __m256i p = _mm256_setzero_si256();
-        float dw;
-        switch (kind) {
-        case K_Q8_0: {
-            const uint8_t *blk = w + 34 * b;
-            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            p = DOT_U8S8(p, _mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
-            dw = FN(f16)(blk);
-            break;
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+        const float dx = d[b];
+        const int sb = s[b];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = w + r * stride + size * b;
+            __m256i p = _mm256_setzero_si256();
+            if (kind == K_Q8_0) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                p = DOT_U8S8(p, _mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
+            } else if (kind == K_Q4_0 || kind == K_Q4_1) {
+                p = DOT_U8S8(p, FN(nibbles)(blk + size - 16), x);
+            } else {
+                uint32_t qh;
+                memcpy(&qh, blk + size - 20, 4);
+                p = DOT_U8S8(p, _mm256_or_si256(FN(nibbles)(blk + size - 16), HIGH_BITS(qh)), x);
+            }
+            if (kind == K_Q4_0 || kind == K_Q5_0)
+                p = _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128((kind == K_Q4_0 ? 8 : 16) * sb)));
+            if (kind == K_Q4_1 || kind == K_Q5_1) corr[r] += FN(f16)(blk + 2) * dx * (float)sb;
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(FN(f16)(blk) * dx), acc[r]);
         }
-        case K_Q4_0: {
-            const uint8_t *blk = w + 18 * b;
-            p = DOT_U8S8(p, FN(nibbles)(blk + 2), x);
-            dw = FN(f16)(blk);
-            corr -= 8.0f * dw * d[b] * (float)s[b];
-            break;
-        }
-        case K_Q4_1: {
-            const uint8_t *blk = w + 20 * b;
-            p = DOT_U8S8(p, FN(nibbles)(blk + 4), x);
-            dw = FN(f16)(blk);
-            corr += FN(f16)(blk + 2) * d[b] * (float)s[b];
-            break;
-        }
-        case K_Q5_0: {
-            const uint8_t *blk = w + 22 * b;
-            uint32_t qh;
-            memcpy(&qh, blk + 2, 4);
-            p = DOT_U8S8(p, _mm256_or_si256(FN(nibbles)(blk + 6), HIGH_BITS(qh)), x);
-            dw = FN(f16)(blk);
-            corr -= 16.0f * dw * d[b] * (float)s[b];
-            break;
-        }
-        default: { /* K_Q5_1 */
-            const uint8_t *blk = w + 24 * b;
-            uint32_t qh;
-            memcpy(&qh, blk + 4, 4);
-            p = DOT_U8S8(p, _mm256_or_si256(FN(nibbles)(blk + 8), HIGH_BITS(qh)), x);
-            dw = FN(f16)(blk);
-            corr += FN(f16)(blk + 2) * d[b] * (float)s[b];
-            break;
-        }
-        }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * d[b]), acc);
     }
-    return FN(hsum_ps)(acc) + corr;
+    for (int r = 0; r < R; r++) res[r] = FN(hsum_ps)(acc[r]) + corr[r];
 }
 
-/* Q4_K and Q5_K's 6-bit scales and mins of one block. */
-static inline void FN(k_scales)(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
+/* Q4_K and Q5_K's 6-bit scales (bytes 0-7) and mins (8-15) of one block, as 16 int16. */
+INLINE __m256i FN(k_scales_mins)(const uint8_t *s) {
+    uint32_t u[4];
+    memcpy(u, s, 12);
+    const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+    const uint32_t mins_lo = u[1] & m1;
+    u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+    u[2] = mins_lo;
+    u[0] &= m1;
+    return _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
 }
 
-/* Q4_K, Q5_K, Q6_K against activations quantized per 256 (q, d) with sums per 16 (s16). */
-static float FN(dot_k)(int kind, const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int16_t *s16) {
-    __m256 acc = _mm256_setzero_ps();
+/* vpshufb masks: for sub-block j, int16 lane j of each 128-bit lane broadcast over that lane. */
+static const uint8_t FN(spread)[8][32] __attribute__((aligned(32))) = {
+#define S2(j) 2 * (j), 2 * (j) + 1
+#define S16(j) S2(j), S2(j), S2(j), S2(j), S2(j), S2(j), S2(j), S2(j)
+    {S16(0), S16(0)}, {S16(1), S16(1)}, {S16(2), S16(2)}, {S16(3), S16(3)},
+    {S16(4), S16(4)}, {S16(5), S16(5)}, {S16(6), S16(6)}, {S16(7), S16(7)},
+};
+/* Q6_K: sub-block k (0-7) covers scales 2k (low lane) and 2k+1 (high lane) of a vector holding 8 scales per lane. */
+static const uint8_t FN(spread6)[4][32] __attribute__((aligned(32))) = {
+    {S16(0), S16(1)}, {S16(2), S16(3)}, {S16(4), S16(5)}, {S16(6), S16(7)},
+#undef S16
+#undef S2
+};
+
+#define SPREAD(v, j) _mm256_shuffle_epi8(v, _mm256_load_si256((const __m256i *)FN(spread)[j]))
+#define SPREAD6(v, j) _mm256_shuffle_epi8(v, _mm256_load_si256((const __m256i *)FN(spread6)[j]))
+
+/* Q4_K, Q5_K, Q6_K, R rows at a time, against one row of activations quantized per 256 (q, d) with sums per 16. */
+INLINE void FN(dot_k)(const int kind, const int R, const uint8_t *w, int64_t stride, int64_t nb, const int8_t *q,
+                      const float *d, const int16_t *s16, float *res) {
+    __m256 acc[4];
+    __m128 accm[4];
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = _mm_setzero_ps(); }
     const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int size = kind == K_Q4_K ? 144 : kind == K_Q5_K ? 176 : 210;
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *x = q + 256 * b;
-        const int16_t *bs = s16 + 16 * b;
-        __m256i p = _mm256_setzero_si256();
-        float scale, minus = 0.0f;
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(s16 + 16 * b));
+        const float dx = d[b];
         if (kind == K_Q6_K) {
-            const uint8_t *blk = w + 210 * b;
-            const int8_t *sc = (const int8_t *)(blk + 192);
-            int corr = 0;
-            for (int g = 0; g < 16; g++) corr += sc[g] * bs[g];
-            for (int h = 0; h < 2; h++) {
-                __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
-                __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
-                __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-                __m256i c[4];
-                c[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(3)), 4));
-                c[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(12)), 2));
-                c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, _mm256_set1_epi8(48)));
-                c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                       _mm256_srli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8((char)192)), 2));
-                for (int k = 0; k < 4; k++) {
-                    int sub = 4 * h + k;
-                    __m256i t = _mm256_maddubs_epi16(c[k], _mm256_loadu_si256((const __m256i *)(x + 32 * sub)));
-                    __m256i sv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * sub + 1]), _mm_set1_epi16(sc[2 * sub]));
-                    p = DOT_S16(p, t, sv);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *blk = w + r * stride + size * b;
+                const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+                const __m256i sv[2] = {_mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11)};
+                __m256i p = _mm256_slli_epi32(_mm256_madd_epi16(sc, bs), 5);
+                p = _mm256_sub_epi32(_mm256_setzero_si256(), p);  /* the codes' offset: -32 * scale * sums */
+                for (int h = 0; h < 2; h++) {
+                    const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
+                    const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+                    __m256i c[4];
+                    c[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), _mm256_set1_epi8(0x30)));
+                    c[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), _mm256_set1_epi8(0x30)));
+                    c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+                    c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), _mm256_set1_epi8(0x30)));
+                    for (int k = 0; k < 4; k++) {
+                        const __m256i t = _mm256_maddubs_epi16(c[k], _mm256_loadu_si256((const __m256i *)(x + 128 * h + 32 * k)));
+                        p = DOT_S16(p, t, SPREAD6(sv[h], k));
+                    }
                 }
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(FN(f16)(blk + 208) * dx), acc[r]);
             }
-            p = _mm256_sub_epi32(p, _mm256_setr_epi32(32 * corr, 0, 0, 0, 0, 0, 0, 0));
-            scale = FN(f16)(blk + 208) * d[b];
         } else {
-            const uint8_t *blk = w + (kind == K_Q4_K ? 144 : 176) * b;
-            const uint8_t *qs = blk + (kind == K_Q4_K ? 16 : 48);
-            uint8_t sc[8], mn[8];
-            FN(k_scales)(blk + 4, sc, mn);
-            int msum = 0;
-            for (int j = 0; j < 8; j++) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
-            __m256i qh = kind == K_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-            for (int i = 0; i < 4; i++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
-                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                if (kind == K_Q5_K) {
-                    __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * i))), b1 = _mm256_set1_epi8((char)(1 << (2 * i + 1)));
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), _mm256_set1_epi8(16)));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), _mm256_set1_epi8(16)));
+            /* sums per 32 (sub-block j: sums 2j and 2j+1), in int16 lanes 0-7 */
+            const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            for (int r = 0; r < R; r++) {
+                const uint8_t *blk = w + r * stride + size * b;
+                const uint8_t *qs = blk + (kind == K_Q4_K ? 16 : 48);
+                const __m256i sm = FN(k_scales_mins)(blk + 4);
+                const __m256i sc = _mm256_permute2x128_si256(sm, sm, 0x00);
+                const __m128i mins = _mm256_extracti128_si256(sm, 1);
+                accm[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), _mm_set1_ps(FN(f16)(blk + 2) * dx), accm[r]);
+                __m256i p = _mm256_setzero_si256();
+                const __m256i qh = kind == K_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+                for (int i = 0; i < 4; i++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+                    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    if (kind == K_Q5_K) {  /* bit 2i of qh -> 16 in lo, bit 2i+1 -> 16 in hi */
+                        const __m256i h = _mm256_srli_epi16(qh, 2 * i);
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), _mm256_set1_epi8(16)));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), _mm256_set1_epi8(16)));
+                    }
+                    const __m256i t0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + 64 * i)));
+                    const __m256i t1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64 * i + 32)));
+                    p = DOT_S16(p, t0, SPREAD(sc, 2 * i));
+                    p = DOT_S16(p, t1, SPREAD(sc, 2 * i + 1));
                 }
-                __m256i t0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + 64 * i)));
-                __m256i t1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64 * i + 32)));
-                p = DOT_S16(p, t0, _mm256_set1_epi16(sc[2 * i]));
-                p = DOT_S16(p, t1, _mm256_set1_epi16(sc[2 * i + 1]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(FN(f16)(blk) * dx), acc[r]);
             }
-            scale = FN(f16)(blk) * d[b];
-            minus = FN(f16)(blk + 2) * d[b] * (float)msum;
-            acc = _mm256_sub_ps(acc, _mm256_setr_ps(minus, 0, 0, 0, 0, 0, 0, 0));
         }
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), acc);
     }
-    return FN(hsum_ps)(acc);
+    for (int r = 0; r < R; r++) {
+        __m128 m = accm[r];
+        m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        res[r] = FN(hsum_ps)(acc[r]) - _mm_cvtss_f32(m);
+    }
 }
 
-/* out[i, r] = dot(x row i, w row r) (+ bias[r]) for rows [r0, r1) of w and n rows of x (already quantized). */
+#undef SPREAD
+#undef SPREAD6
+
+#define ROWS_OF(KIND)                                                                                               \
+    for (; r + 4 <= r1; r += 4) for (int64_t i = 0; i < g->n; i++) {                                               \
+        float v[4];                                                                                                 \
+        if (is_k(KIND)) FN(dot_k)(KIND, 4, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols,           \
+                                  g->d + i * nd, g->s16 + i * (g->cols / 16), v);                                   \
+        else FN(dot_q32)(KIND, 4, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols, g->d + i * nd,     \
+                         g->s32 + i * (g->cols / 32), v);                                                           \
+        for (int k = 0; k < 4; k++) put(g, i, r + k, v[k]);                                                         \
+    }                                                                                                               \
+    for (; r < r1; r++) for (int64_t i = 0; i < g->n; i++) {                                                       \
+        float v[1];                                                                                                 \
+        if (is_k(KIND)) FN(dot_k)(KIND, 1, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols,           \
+                                  g->d + i * nd, g->s16 + i * (g->cols / 16), v);                                   \
+        else FN(dot_q32)(KIND, 1, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols, g->d + i * nd,     \
+                         g->s32 + i * (g->cols / 32), v);                                                           \
+        put(g, i, r, v[0]);                                                                                         \
+    }
+
+/* out[i, r] = dot(x row i, w row r) (+ bias[r]) for rows [r0, r1) of w and the n rows of x (already quantized). */
 static void FN(rows)(const struct gemv *g, int64_t r0, int64_t r1) {
-    int kq = is_k(g->kind);
-    int64_t group = kq ? 256 : 32, nb = g->cols / (kq ? 256 : 32);
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *w = g->w + r * g->row_bytes;
-        for (int64_t i = 0; i < g->n; i++) {
-            const int8_t *q = g->q + i * g->cols;
-            const float *d = g->d + i * (g->cols / group);
-            float v = kq ? FN(dot_k)(g->kind, w, nb, q, d, g->s16 + i * (g->cols / 16))
-                         : FN(dot_q32)(g->kind, w, nb, q, d, g->s32 + i * (g->cols / 32));
-            if (g->bias) v += g->bias[r];
-            if (g->out_bf16) ((uint16_t *)g->out)[i * g->rows + r] = bf16_round(v);
-            else ((float *)g->out)[i * g->rows + r] = v;
-        }
+    const int64_t group = is_k(g->kind) ? 256 : 32, nb = g->cols / group, nd = g->cols / group;
+    int64_t r = r0;
+    switch (g->kind) {
+    case K_Q4_0: ROWS_OF(K_Q4_0) break;
+    case K_Q4_1: ROWS_OF(K_Q4_1) break;
+    case K_Q5_0: ROWS_OF(K_Q5_0) break;
+    case K_Q5_1: ROWS_OF(K_Q5_1) break;
+    case K_Q8_0: ROWS_OF(K_Q8_0) break;
+    case K_Q4_K: ROWS_OF(K_Q4_K) break;
+    case K_Q5_K: ROWS_OF(K_Q5_K) break;
+    default: ROWS_OF(K_Q6_K) break;
     }
 }
+
+#undef ROWS_OF
+#undef INLINE
 
 static void FN(quantize)(const struct gemv *g) {
     int kq = is_k(g->kind);

@@ -40,6 +40,12 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+static inline void put(const struct gemv *g, int64_t i, int64_t r, float v) {
+    if (g->bias) v += g->bias[r];
+    if (g->out_bf16) ((uint16_t *)g->out)[i * g->rows + r] = bf16_round(v);
+    else ((float *)g->out)[i * g->rows + r] = v;
+}
+
 /* ---- AVX2 (+FMA, F16C) ---- */
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -276,6 +282,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -65,13 +65,15 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.kind, self.out_features, self.in_features, self.native = kind, rows, cols, native
         self.register_buffer("blocks", tensors["blocks"], persistent=False)
-        self.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False) if bias is not None else None
+        # a buffer, not a parameter: the model's dtype (its first parameter's) stays the activations' dtype
+        self.register_buffer("bias", bias.detach().float() if bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         rows = x.reshape(-1, self.in_features)
         use_native = _native_here(self.kind, self.native)
         if use_native and rows.shape[0] <= GEMV_ROWS and x.dtype in (torch.float32, torch.bfloat16):
-            return native.gemv(self.kind, self.blocks, self.in_features, rows, self.bias).view(*x.shape[:-1], self.out_features)
+            bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
+            return native.gemv(self.kind, self.blocks, self.in_features, rows, bias).view(*x.shape[:-1], self.out_features)
         y = bf16_product(self.kind, self.blocks, rows, self.in_features, use_native).float()
         if self.bias is not None:
             y = y + self.bias
