@@ -272,3 +272,27 @@ def test_device_auto_picks_the_gpu_when_there_is_one(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     assert models.pick_device("auto") == "cpu"
+
+
+@cuda
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt2"])
+def test_every_family_in_float32_on_cuda_answers_as_generate(tokenizer, plain_tokenizer, tmp_path, name):
+    """test_architectures' exactness on the GPU: each family's tiny float32 model on CUDA, its cache restored
+    through the copy stream, several questions on one Session, each answer equal to generate() on the GPU."""
+    import kvcli
+    from tests.test_architectures import ARCHS, DOC_CHARS, OPTS, QUESTIONS, build
+
+    tok = plain_tokenizer if ARCHS[name][1] else tokenizer
+    model = build(name, tok).to("cuda")
+    lm = kvcli.from_objects(model, tok, name=f"tiny-{name}")
+    path = tmp_path / "doc.kv"
+    prefill(lm, decode(sample_text()[:DOC_CHARS].encode(), "licence.txt"), path, chunk_size=56)
+    session = kvcli.Session(lm, path)
+    assert session.cache.layers[0].keys.device.type == "cuda"
+    for q in QUESTIONS:
+        a = session.ask(q, OPTS)
+        prompt = torch.tensor([a.prompt_token_ids], device="cuda")
+        with torch.inference_mode():
+            ref = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                 max_new_tokens=OPTS.max_new_tokens)[0, prompt.shape[1]:].tolist()
+        assert a.answer_token_ids == ref, q

@@ -50,12 +50,12 @@ def sync(device: str) -> None:
 
 def model_of(shape: str, vocab: int, device: str, dtype: str, positions: int):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=positions, initializer_range=0.02, **SHAPES[shape])
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+    with torch.device(device):  # made on the device in its dtype: an 8B model is never held in float32
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     return model.eval()
 
 
