@@ -296,3 +296,16 @@ def test_every_family_in_float32_on_cuda_answers_as_generate(tokenizer, plain_to
             ref = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                  max_new_tokens=OPTS.max_new_tokens)[0, prompt.shape[1]:].tolist()
         assert a.answer_token_ids == ref, q
+
+
+def test_prefill_compression_fast_from_the_cli(tiny_model_dir, tmp_path):
+    from tests.helpers import run
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(sample_text()[:600])
+    result = run("prefill", doc, "--model", tiny_model_dir, "--compression", "fast", "--no-server", "-o", tmp_path / "fast.kv")
+    assert result.exit_code == 0, result.stderr
+    m = store.read_manifest(tmp_path / "fast.kv")
+    assert (m.transform, m.compression["level"]) == ("none", -1)
+    bad = run("prefill", doc, "--model", tiny_model_dir, "--compression", "tiny", "--no-server")
+    assert bad.exit_code == 2 and "--compression" in bad.stderr and "Traceback" not in bad.stderr

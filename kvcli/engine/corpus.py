@@ -226,6 +226,7 @@ def run(
     incremental: bool = True,
     kv_bits: int | None = None,
     after: str | None = None,
+    compression: str | None = None,
     fit: Callable[[], Callable[[Document], Any]] | None = None,
     upfront: bool = False,
     progress: Callable[[int, int, int], None] | None = None,
@@ -244,6 +245,7 @@ def run(
     progress(index, done, total) per chunk; cancelled(): the asker left (the engine's Cancelled is raised)."""
     jobs = list(jobs)
     options = dict(system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK, kv_bits=kv_bits, after=after,
+                   compression=compression,
                    extend=not force)
     opener = model if callable(model) and not isinstance(model, LoadedModel) else (lambda: nullcontext(lent(model)))
     with ExitStack() as stack:

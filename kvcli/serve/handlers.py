@@ -188,6 +188,9 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     after = req.get("after")
     if after is not None and not isinstance(after, str):
         raise protocol.ProtocolError("after must be a cache path")
+    compression = req.get("compression")
+    if compression not in (None, "small", "fast"):
+        raise protocol.ProtocolError("compression must be small or fast")
     from ..engine import corpus
     from ..events import prefill_events
 
@@ -206,7 +209,7 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
                           read=lambda doc: documents.read(doc, req.get("encoding") or "utf-8"), incremental=False, upfront=True,
                           fit=lambda: _fit_check(req), cancelled=conn.cancelled, system=req.get("system"),
                           framing=req.get("framing") or "auto", chunk_size=req.get("chunk_size"), force=bool(req.get("force")),
-                          kv_bits=kv_bits, after=after)
+                          kv_bits=kv_bits, after=after, compression=compression)
 
 
 def _fit_check(req: dict[str, Any]):

@@ -15,7 +15,8 @@ Requests (`op`); every reply starts with an `accepted` event:
            blend: a fraction: the caches blended into one prompt (`ask --blend --recompute`), echoed in
            `accepted` (a client that sees no echo asks in its own process)
   prefill  docs: [[abs doc path, abs cache path]], model, revision, device, dtype, system, framing,
-           chunk_size, encoding, force, trust_remote_code, kv_bits (8, 4 or null: lossless)
+           chunk_size, encoding, force, trust_remote_code, kv_bits (8, 4 or null: lossless),
+           compression ("small", "fast" or null: small)
 
 Events streamed for ask/prefill (mirroring what `kvcli` writes in-process):
   accepted {"op", "blend"?}          the server took the request (sent first; blend: an ask's, echoed)
