@@ -111,7 +111,7 @@ def test_cli_batched_output_equals_one_by_one(tiny_model_dir, tmp_path):
     together = run(*common, "--batch-size", "3")
     assert one.exit_code == together.exit_code == 0, together.stderr
     assert together.stdout == one.stdout and together.stdout.count("\n") >= len(qs)
-    one_j, together_j = run(*common, "--batch-size", "1", "--json"), run(*common, "--json")
+    one_j, together_j = run(*common, "--batch-size", "1", "--json", "--ids"), run(*common, "--json", "--ids")
     a, b = json_lines(one_j.stdout), json_lines(together_j.stdout)
     assert [x["question"] for x in b] == qs  # question order, whatever order they finished in
     for x, y in zip(a, b):

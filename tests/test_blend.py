@@ -281,7 +281,7 @@ def test_served_blend_prints_what_the_in_process_one_prints(cli_caches, monkeypa
     s = ThreadServer(short_dir() / "s.sock")
     monkeypatch.setenv("KVCLI_SOCKET", str(s.path))
     try:
-        args = ("ask", "-c", a, "-c", b, "--blend", "--recompute", "0.3", "--json", "--max-new-tokens", MAX_NEW, QUESTIONS[0])
+        args = ("ask", "-c", a, "-c", b, "--blend", "--recompute", "0.3", "--json", "--ids", "--max-new-tokens", MAX_NEW, QUESTIONS[0])
         served, local = run(*args, "--server"), run(*args, "--no-server")
         assert served.exit_code == local.exit_code == 0, (served.stderr, local.stderr)
         [x], [y] = json_lines(served.stdout), json_lines(local.stdout)

@@ -44,12 +44,12 @@ def test_chat_keeps_the_conversation(cached):
 
 def test_ask_json_fed_back_for_a_follow_up(cached, tmp_path):
     folder, lm = cached
-    first = run("ask", "--cache", folder / "doc.kv", "--max-new-tokens", 8, "--json", Q1)
+    first = run("ask", "--cache", folder / "doc.kv", "--max-new-tokens", 8, "--json", "--ids", Q1)
     (tmp_path / "turn1.jsonl").write_text(first.stdout)
-    second = run("ask", "--cache", folder / "doc.kv", "--max-new-tokens", 8, "--json", "--follow-up", tmp_path / "turn1.jsonl", Q2)
+    second = run("ask", "--cache", folder / "doc.kv", "--max-new-tokens", 8, "--json", "--ids", "--follow-up", tmp_path / "turn1.jsonl", Q2)
     assert second.exit_code == 0, second.stderr
     (tmp_path / "turn2.jsonl").write_text(second.stdout)
-    third = run("ask", "--cache", folder / "doc.kv", "--max-new-tokens", 8, "--json", "--follow-up", "-", Q3, input=second.stdout)
+    third = run("ask", "--cache", folder / "doc.kv", "--max-new-tokens", 8, "--json", "--ids", "--follow-up", "-", Q3, input=second.stdout)
     talk = Chat(kvcli.Session(lm, folder / "doc.kv"))
     for out in (first, second, third):
         row = json_lines(out.stdout)[0]

@@ -54,7 +54,7 @@ def test_ask_stdout_holds_only_the_answer(cache_dir, tiny_model_dir):
 def test_ask_json_fields_and_exactness(cache_dir, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    result = run("ask", "-c", cache_dir, "--json", "--max-new-tokens", "16", "Who may grant a license?", "What is a Work?")
+    result = run("ask", "-c", cache_dir, "--json", "--ids", "--max-new-tokens", "16", "Who may grant a license?", "What is a Work?")
     assert result.exit_code == 0, result.stderr
     answers = json_lines(result.stdout)
     assert len(answers) == 2

@@ -234,3 +234,47 @@ def test_a_prefill_retried_while_an_interrupted_one_cleans_up_waits_for_it(doc_f
         thread.join()
     assert result.exit_code == 0, result.stderr
     assert (target / "manifest.json").is_file() and "another prefill" not in result.stderr
+
+
+# ---- ask --json: small lines that say the format; a warning when the document changed
+
+
+def test_ask_json_lines_carry_the_format_and_prompt_ids_only_with_ids(cache_dir):
+    plain = run("ask", "-c", cache_dir, "--json", "--max-new-tokens", "4", "--no-server", "Who?")
+    assert plain.exit_code == 0, plain.stderr
+    (a,) = json_lines(plain.stdout)
+    assert a["format"] == "text" and "prompt_token_ids" not in a and len(plain.stdout) < 2000
+    assert len(a["document_ids_sha256"]) == 64 and a["cached_tokens"] > 0
+    (full,) = json_lines(run("ask", "-c", cache_dir, "--json", "--ids", "--max-new-tokens", "4", "--no-server", "Who?").stdout)
+    assert full["format"] == "text" and len(full["prompt_token_ids"]) == full["cached_tokens"] + full["new_tokens"]
+    assert full["answer_token_ids"] == a["answer_token_ids"]
+
+
+def test_a_follow_up_without_ids_still_refuses_another_documents_answer(cache_dir, tiny_model_dir, tmp_path):
+    first = run("ask", "-c", cache_dir, "--json", "--max-new-tokens", "4", "--no-server", "Who?")
+    (tmp_path / "turn.jsonl").write_text(first.stdout, encoding="utf-8")
+    on = run("ask", "-c", cache_dir, "--json", "--max-new-tokens", "4", "--no-server", "--follow-up", tmp_path / "turn.jsonl", "And?")
+    assert on.exit_code == 0, on.stderr
+    assert json_lines(on.stdout)[0]["history"][0]["question"] == "Who?"
+    other = tmp_path / "other.txt"
+    other.write_text("A different short document about ships and harbours. " * 20, encoding="utf-8")
+    assert run("prefill", other, "--model", tiny_model_dir, "--no-server", "-q").exit_code == 0
+    refused = run("ask", "-c", tmp_path / "other.kv", "--no-server", "--follow-up", tmp_path / "turn.jsonl", "And?")
+    assert_clean_error(refused, 2, "another document")
+
+
+def test_ask_warns_when_the_document_beside_the_cache_changed(tiny_model_dir, tmp_path):
+    from tests.conftest import sample_text
+
+    doc = tmp_path / "memo.txt"
+    doc.write_text(sample_text()[:1500], encoding="utf-8")
+    assert run("prefill", doc, "--model", tiny_model_dir, "--no-server", "-q").exit_code == 0
+    fresh = run("ask", "-c", tmp_path / "memo.kv", "--max-new-tokens", "2", "--no-server", "Who?")
+    assert fresh.exit_code == 0 and "warning" not in fresh.stderr
+    doc.write_text(sample_text()[:1500].replace("License", "Licence", 1), encoding="utf-8")
+    stale = run("ask", "-c", tmp_path / "memo.kv", "--max-new-tokens", "2", "--no-server", "Who?")
+    assert stale.exit_code == 0 and stale.stdout
+    warnings = [line for line in stale.stderr.splitlines() if line.startswith("kvcli: warning:")]
+    assert warnings == [f"kvcli: warning: {doc} has changed since {tmp_path / 'memo.kv'} was made from it; the answers come "
+                        f"from the text as it was then ('kvcli prefill {doc}' extends the cache if the document only grew, "
+                        "'--force' rebuilds it)"]

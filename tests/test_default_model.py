@@ -24,7 +24,7 @@ def sample_cache(default_lm, tmp_path_factory):
 
 
 def test_default_model_answers_exactly(sample_cache, default_lm):
-    result = run("ask", "--cache", sample_cache, QUESTION, "--json", "--max-new-tokens", "40")
+    result = run("ask", "--cache", sample_cache, QUESTION, "--json", "--ids", "--max-new-tokens", "40")
     assert result.exit_code == 0, result.stderr
     (a,) = json_lines(result.stdout)
     assert a["answer"].strip(), a

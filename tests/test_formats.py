@@ -225,7 +225,7 @@ def test_prefill_of_a_pdf_answers_exactly_and_says_its_pages(report, tiny_model_
     cache = report.with_suffix(".kv")
     m = kvcli.read_manifest(cache)
     assert m.document["format"] == "pdf" and m.document["pages"] == 3 and m.document["sha256"] == documents.read(report).sha256
-    asked = run("ask", "-c", cache, "--json", "--max-new-tokens", "12", "Who is the Licensor of the Harbour Works?")
+    asked = run("ask", "-c", cache, "--json", "--ids", "--max-new-tokens", "12", "Who is the Licensor of the Harbour Works?")
     assert asked.exit_code == 0, asked.stderr
     (a,) = json_lines(asked.stdout)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()

@@ -125,7 +125,7 @@ def test_ask_warns_when_max_new_tokens_cannot_fit(short_model_dir, tmp_path):
     doc = tmp_path / "d.txt"
     doc.write_text(sample_text()[:2500], encoding="utf-8")
     assert run("prefill", doc, "--model", short_model_dir).exit_code == 0, "prefill"
-    result = run("ask", "-c", tmp_path / "d.kv", "--json", "--max-new-tokens", "2000", "Who?")
+    result = run("ask", "-c", tmp_path / "d.kv", "--json", "--ids", "--max-new-tokens", "2000", "Who?")
     assert result.exit_code == 0, result.stderr
     (a,) = json_lines(result.stdout)
     room = 1024 - len(a["prompt_token_ids"])

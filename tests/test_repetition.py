@@ -17,7 +17,7 @@ from tests.helpers import assert_clean_error, json_lines, run
 def test_repetition_options_equal_generate_on_the_full_prompt(cache_dir, tiny_model_dir, settings):
     from transformers import AutoModelForCausalLM
 
-    result = run("ask", "-c", cache_dir, "--json", "--max-new-tokens", "24", *settings, "What is the Licensor?")
+    result = run("ask", "-c", cache_dir, "--json", "--ids", "--max-new-tokens", "24", *settings, "What is the Licensor?")
     assert result.exit_code == 0, result.stderr
     (a,) = json_lines(result.stdout)
     (plain,) = json_lines(run("ask", "-c", cache_dir, "--json", "--max-new-tokens", "24", "What is the Licensor?").stdout)

@@ -14,8 +14,8 @@ from ..generation import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS
 from .output import Output
 from .rendering import AskRenderer
 from .app import command
-from .common import gather_questions, local_cache, read_answer_json, shown
-from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
+from .common import cache_formats, gather_questions, local_cache, read_answer_json, shown
+from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, IdsOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
                       RepetitionPenaltyOpt, RevisionOpt, SeedOpt, ServerOpt, TemperatureOpt, TopPOpt, TrustOpt)
 
 
@@ -49,6 +49,7 @@ def ask(
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
+    ids: IdsOpt = False,
     quiet: QuietOpt = False,
 ) -> int:
     """Answer questions from cached documents, computing only the questions' tokens."""
@@ -75,6 +76,9 @@ def ask(
     earlier = read_answer_json(follow_up) if follow_up else None
     check_trust(trust_remote_code, model)
     qs = gather_questions(questions or [], questions_file)
+    formats = cache_formats(out, list(cache))
+    if blend:
+        formats = [" + ".join(str(f) for f in formats)]
     from ..remote import is_url
 
     if check and server:
@@ -92,7 +96,7 @@ def ask(
 
         names = [" + ".join(str(c) for c in cache)] if blend else [str(c) for c in cache]
         render = AskRenderer(out, names, questions=len(qs), json_out=json_out, null=null, served=True,
-                             max_new_tokens=max_new_tokens)
+                             max_new_tokens=max_new_tokens, formats=formats, ids=ids)
         code = served.run(out, server, "ask", fields, [*(str(Path(c)) for c in cache), model], render=render)
         if code is not None:
             return code
@@ -121,7 +125,8 @@ def ask(
         return conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier is not None else []
 
     names = [" + ".join(shown(c) for c in cache)] if blend else [shown(c) for c in cache]
-    render = AskRenderer(out, names, questions=len(qs), json_out=json_out, null=null, max_new_tokens=max_new_tokens)
+    render = AskRenderer(out, names, questions=len(qs), json_out=json_out, null=null, max_new_tokens=max_new_tokens,
+                         formats=formats, ids=ids)
     return ask_events(open_session, cache, qs, opts, emit=render, history_for=history_for, batch_size=batch_size, check=check,
                       stream=not json_out, shown=shown, blend=blend)
 

@@ -19,8 +19,8 @@ from ..generation import DEFAULT_MAX_NEW_TOKENS
 from .output import Output, is_terminal
 from .rendering import AskRenderer, positions_ran_out
 from .app import command
-from .common import local_cache, read_answer_json, shown
-from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
+from .common import cache_formats, local_cache, read_answer_json, shown
+from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, IdsOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
                       RepetitionPenaltyOpt, RevisionOpt, SeedOpt, ServerOpt, TemperatureOpt, TopPOpt, TrustOpt)
 
 
@@ -43,6 +43,7 @@ def chat(
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
+    ids: IdsOpt = False,
     quiet: QuietOpt = False,
 ) -> int:
     """Talk about a cached document: one question per line (interactive or stdin); each follows the earlier ones."""
@@ -60,7 +61,7 @@ def chat(
 
     through = server is not False and not is_url(cache) and served.answers(out, server)  # the turns go through the running server
     render = AskRenderer(out, [shown(cache)], questions=1, json_out=json_out, max_new_tokens=max_new_tokens, served=through,
-                         labelled=not is_terminal(sys.stdin), once=set())  # once: the cache's warnings once per chat, not per turn
+                         labelled=not is_terminal(sys.stdin), once=set(), formats=cache_formats(out, [cache]), ids=ids)  # once: the cache's warnings once per chat, not per turn
     if through:
         fields = {"caches": [os.path.abspath(cache)], "options": options, "model": served.client_model(model), "revision": revision,
                   "device": device, "dtype": dtype, "convert_dtype": convert_dtype, "trust_remote_code": trust_remote_code,

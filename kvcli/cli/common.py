@@ -24,6 +24,26 @@ def local_cache(path: str, out: Output, check=None) -> Path:
         return local_store.fetch(path, progress=out.note, check=check)
 
 
+def cache_formats(out: Output, caches: list[str]) -> list[str | None]:
+    """Each local cache's document format (None for a URL or a cache that will fail to open, which opening reports),
+    warning when the document a cache was made from, found beside it, has changed since."""
+    from ..format import catalog, store
+    from ..remote import is_url
+    from ..errors import KvcliError
+
+    formats: list[str | None] = []
+    for cache in caches:
+        try:
+            m = None if is_url(cache) else store.read_manifest(cache, chain=False)
+        except KvcliError:
+            m = None
+        formats.append(None if m is None else m.document.get("format", "text"))
+        changed = None if m is None else catalog.changed_source(cache, m)
+        if changed:
+            out.warn(changed)
+    return formats
+
+
 def read_answer_json(path: Path):
     """The last JSON line of an `ask --json` output file (or stdin for '-')."""
     import json

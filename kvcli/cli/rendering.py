@@ -58,7 +58,10 @@ class AskRenderer:
     labelled: name every answer, one question or several (a chat reading its questions from a pipe)."""
 
     def __init__(self, out: Output, caches: Sequence[str], *, questions: int, json_out: bool = False, null: bool = False,
-                 served: bool = False, once: set | None = None, max_new_tokens: int | None = None, labelled: bool = False):
+                 served: bool = False, once: set | None = None, max_new_tokens: int | None = None, labelled: bool = False,
+                 formats: Sequence[str | None] | None = None, ids: bool = False):
+        self.formats = list(formats) if formats is not None else [None] * len(caches)  # each cache's document format
+        self.ids = ids  # --ids: the JSON lines carry every prompt id, not only their digest
         self.once = once  # warnings already shown (a chat: its cache's warnings once, not at every turn)
         self.max_new_tokens = max_new_tokens
         self.out, self.caches, self.json_out, self.null, self.served = out, list(caches), json_out, null, served
@@ -69,6 +72,18 @@ class AskRenderer:
         self._labels: dict[int, str] = {}  # cache index -> the question now answered there
         self._separated = 0
         self._waiting = None  # the "working" spinner of a question whose first text has not come yet
+
+    def _record(self, a: dict[str, Any]) -> dict[str, Any]:
+        """An answer's JSON line: its document's format; the prompt's ids only with --ids (a digest of the cache's
+        ids instead, which a --follow-up checks)."""
+        record = {**a, "format": self.formats[self.caches.index(a["cache"])], "served": self.served}
+        prompt = record.get("prompt_token_ids")
+        if not self.ids and isinstance(prompt, list):
+            from ..format.identity import ids_digest
+
+            record["document_ids_sha256"] = ids_digest(prompt[:record.get("cached_tokens", 0)])
+            del record["prompt_token_ids"]
+        return record
 
     def _label(self, index: int, question: str) -> str:
         return f"{self.caches[index]}: {question}" if len(self.caches) > 1 else question
@@ -100,7 +115,7 @@ class AskRenderer:
             a = {**ev["answer"], "cache": self.caches[ev["index"]]}
             self.answers.append(a)
             if self.json_out:
-                out.json_line({**a, "served": self.served})
+                out.json_line(self._record(a))
             else:
                 out.write("\0" if self.null else "\n")
             if a.get("finish_reason") == "length" and not self.json_out:  # one line: the cut, and the timing on a terminal

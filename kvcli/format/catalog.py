@@ -119,3 +119,24 @@ def find(folder: Path) -> list[dict[str, Any]]:
         row["age_s"] = max(0.0, time.time() - os.stat(path / "manifest.json").st_mtime)
         rows.append(row)
     return rows
+
+
+def changed_source(path: str | os.PathLike, m: Manifest) -> str | None:
+    """A warning when the document a cache was made from, found beside the cache under its recorded name (where
+    prefill writes a cache by default), has other bytes now; None when it is unchanged or not there."""
+    import hashlib
+
+    name = m.document.get("name")
+    if not name or name == "-":
+        return None
+    source = Path(path).parent / name
+    try:
+        if not source.is_file() or source.stat().st_size > 256 * 1024 * 1024:
+            return None
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    except OSError:
+        return None
+    if digest == m.document.get("sha256"):
+        return None
+    return (f"{source} has changed since {path} was made from it; the answers come from the text as it was then "
+            f"('kvcli prefill {source}' extends the cache if the document only grew, '--force' rebuilds it)")

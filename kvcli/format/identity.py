@@ -25,6 +25,12 @@ def sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()).hexdigest()
 
 
+def ids_digest(ids: Any) -> str:
+    """The digest of a cache's ids that an `ask --json` answer carries (not the ids), so a follow-up can check it
+    continues an answer about that cache."""
+    return sha256_json([int(i) for i in ids])
+
+
 def config_sha256(config: Any) -> str:
     """config: a transformers PretrainedConfig (its to_dict(), less the keys that vary between saves)."""
     return sha256_json({k: v for k, v in config.to_dict().items() if k not in VOLATILE_CONFIG_KEYS})

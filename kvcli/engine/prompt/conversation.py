@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import ConversationError, ModelError
+from ...format.identity import ids_digest
 from . import framing as fr
 
 Exchange = tuple[str, str]  # (question, answer) of an earlier turn
@@ -172,7 +173,9 @@ def from_answer_json(record: Any, token_ids: Sequence[int], where: str = "--foll
     ):
         raise ConversationError(f"{where}: history must be a list of {{question, answer}} objects", field=where)
     prompt = record.get("prompt_token_ids")
-    if isinstance(prompt, list) and list(prompt[: len(token_ids)]) != list(token_ids):
+    digest = record.get("document_ids_sha256")  # what `ask --json` carries instead of the ids (without --ids)
+    if isinstance(prompt, list) and list(prompt[: len(token_ids)]) != list(token_ids) or (
+            not isinstance(prompt, list) and isinstance(digest, str) and digest != ids_digest(token_ids)):
         raise ConversationError(f"{where}: that answer came from another document or cache "
                                 "(its prompt does not start with this cache's ids)", field=where)
     return [(h["question"], h["answer"]) for h in history] + [(record["question"], record["answer"])]
