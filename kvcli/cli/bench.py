@@ -28,7 +28,7 @@ def bench(
     revision: RevisionOpt = None,
     device: DeviceOpt = "auto",
     dtype: Annotated[list[str], typer.Option("--dtype", metavar="[auto|float32|bfloat16|float16]", help="Compute dtype (auto: float32 on CPU, the model's own on an accelerator). Repeat it to measure each in turn and compare them.")] = ["auto"],  # noqa: B006
-    weights: WeightsOpt = "float",
+    weights: WeightsOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> int:

@@ -31,7 +31,7 @@ def prefill(
     framing: FramingOpt = "auto",
     chunk_size: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Tokens per forward pass (default: 1024, chosen by measurement).", show_default=False)] = None,
     dtype: DtypeOpt = "auto",
-    weights: WeightsOpt = "float",
+    weights: WeightsOpt = None,
     device: DeviceOpt = "auto",
     encoding: EncodingOpt = "utf-8",
     after: Annotated[Optional[str], typer.Option("--after", metavar="CACHE", help="Extend this cache: the document follows its document in one prompt, only the new tokens are computed and stored, with a link to CACHE.")] = None,

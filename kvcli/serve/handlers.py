@@ -200,7 +200,7 @@ def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     def open_model():
         return warm.model(req.get("model"), revision=req.get("revision"), device=req.get("device") or "auto",
                           dtype=req.get("dtype") or "auto", trust_remote_code=bool(req.get("trust_remote_code")), progress=note,
-                          weights=str(req.get("weights") or "float"))
+                          weights=req.get("weights") or None)
 
     def emit(ev: dict[str, Any]) -> None:
         conn.send(protocol.event(ev.pop("event"), **ev))

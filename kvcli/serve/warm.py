@@ -159,7 +159,7 @@ class Warm:
 
     @contextmanager
     def model(self, model: str | None = None, *, revision: str | None = None, device: str = "auto", dtype: str = "auto",
-              trust_remote_code: bool = False, progress: Note | None = None, weights: str = "float") -> Iterator[HeldModel]:
+              trust_remote_code: bool = False, progress: Note | None = None, weights: str | None = None) -> Iterator[HeldModel]:
         """Lend a loaded model (loaded now if not held), as models.load(model, ...) would load it."""
         from ..engine.model import models
 
@@ -170,7 +170,7 @@ class Warm:
                 entry = self._take(self._alias.get(request, request))
                 if entry is None:
                     source = models.resolve(model, revision=revision)
-                    if weights != "float":
+                    if weights is not None:  # else the source's default (models.default_weights)
                         source["weights"] = weights  # models.load checks it
                     entry = self._load_model(request, source, device, dtype, trust_remote_code, progress)
         try:

@@ -1,215 +1,365 @@
-"""A GGUF file's own low-bit weights on the nearest torch kernel (`weights="gguf"`), with the error stated.
+"""A GGUF file's own low-bit weights (`weights="gguf"`), loaded straight from the mapped file.
 
-Each linear layer runs the type its tensor has in the file:
-- Q4_0, Q4_1, Q4_K: the file's own 4-bit codes through torch's int4 kernel (stored.Q4Linear, groups of 32).
-  Every such block is w = scale * q + add with q in 0..15 (Q4_K: scale = d * sc and add = -dmin * m per
-  32-weight sub-block), which the kernel holds as (q - 8) * scale + zero; scale and zero are rounded to
-  bfloat16, the kernel's only difference from the file.
-- Any other type (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, 16- and 32-bit floats): more than 4 bits a weight, which the
-  int4 kernel cannot hold, so torch's int8 kernel (stored.Q8Linear) on the file's weights quantized per output
-  row, the output layer included.
-- Types of fewer bits (Q2_K, Q3_K, IQ*): int4 in groups of 32 quantized from the file's weights.
+The transformers model is built without weights (on the meta device); every linear layer and the token embedding
+become the kernels package's PackedLinear / PackedEmbedding on the tensor's own blocks, one tensor at a time, and
+only the small tensors (norms, biases) are materialised, with the values transformers' GGUF loading gives them (its
+tensor processor, which also says how a tensor's rows are ordered: llama's query/key rows are permuted on the raw
+block rows, exact since GGUF blocks never cross a row). No float32 weight of the model is ever made.
 
-The difference of every layer's kernel weights from the file's (as gguf dequantizes them) is measured at load
-and kept in the fingerprint ("weights_error": max and mean absolute difference, and the mean absolute
-weight, per file type), so `info` and `--check` can say how close the arithmetic is to the file.
+What `kernels.prepare` returns is kept once per file under KVCLI_HOME, keyed by the file's sha256 and the kernels'
+LAYOUT_VERSION (written atomically; a kept file of another version, or one that does not read back as this file
+needs, is made again). Tensors `prepare` leaves as the file's bytes are not copied: they are read from the mapped
+GGUF itself, so what is kept is at most the size of the tensors the kernels rearrange. Later loads map both files
+and read no GGUF header. A type the kernels do not run (Q2_K, Q3_K, IQ*) is dequantized a slice of rows at a time
+and requantized to Q8_0.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...errors import ModelError
-from . import stored
+from . import kernels
+from .gguf_file import Header, TensorInfo, read_header
 
-_Q4 = {"Q4_0", "Q4_1", "Q4_K"}  # types whose codes the int4 kernel runs as stored
-_FEWER_BITS = {"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0"}
-
-
-def q4_codes(raw: torch.Tensor, kind: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_0, Q4_1 or Q4_K tensor's bytes [rows, bytes a row] -> codes [rows, cols] uint8 (0..15), scale and add
-    [rows, cols/32] float32, with w = scale * q + add as gguf's dequantizer computes it."""
-    if kind == "Q4_K":  # 256 weights: d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of codes
-        b = raw.reshape(rows, cols // 256, 144)
-        d = b[..., 0:2].contiguous().view(torch.float16).float()  # [rows, n, 1]
-        dmin = b[..., 2:4].contiguous().view(torch.float16).float()
-        s = b[..., 4:16].long().reshape(rows, -1, 3, 4)
-        lo, hi, mix = s[..., 0, :], s[..., 1, :], s[..., 2, :]
-        sc = torch.cat([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], dim=-1).float()  # [rows, n, 8]
-        mn = torch.cat([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], dim=-1).float()
-        qs = b[..., 16:].reshape(rows, -1, 4, 32)  # sub-blocks 2j (low nibbles) and 2j+1 (high nibbles)
-        codes = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(rows, cols)
-        return codes, (d * sc).reshape(rows, -1), (-(dmin * mn)).reshape(rows, -1)
-    width = 18 if kind == "Q4_0" else 20
-    b = raw.reshape(rows, cols // 32, width)
-    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
-    qs = b[..., width - 16:]
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(rows, cols)
-    add = -8 * d if kind == "Q4_0" else b[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
-    return codes, d, add
+KEPT_SCHEME = 1  # the kept file's own layout (names, metadata); LAYOUT_VERSION covers prepare's tensors
+ALIGN = 64  # every kept tensor starts on a cache line
+_FALLBACK = "Q8_0"  # what types the kernels do not run are requantized to
+_FALLBACK_ROWS = 256  # rows dequantized at a time for that
 
 
-def _scales_zeros(codes: torch.Tensor, scale: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int4 kernel's scales and zeros for w = scale * q + add ([cols/32, rows, 2] bfloat16, as stored._pack_q4
-    makes them from Q4_1's d and m), and the weights the kernel then runs [rows, cols] float32."""
-    rows, cols = codes.shape
-    sz = torch.stack([scale.t(), (add + 8 * scale).t()], dim=-1).to(torch.bfloat16).contiguous()
-    runs = (codes.reshape(rows, cols // 32, 32).float() - 8) * sz[..., 0].t().float()[..., None] + sz[..., 1].t().float()[..., None]
-    return sz, runs.reshape(rows, cols)
+def kept_path(folder: Path) -> Path:
+    return folder / f"packed-v{kernels.LAYOUT_VERSION}.safetensors"
 
 
-def _file_weights(tensor: Any, rows: int, cols: int) -> torch.Tensor:
-    """A GGUF tensor as gguf dequantizes it: [rows, cols] float32 (the file's row order)."""
+class _FileBytes:
+    """The GGUF file mapped copy-on-write (pages read from the file as touched, never written back)."""
+
+    def __init__(self, path: Path, size: int):
+        try:
+            self.array = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", shape=(size,)))
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"{path}: cannot map the GGUF file ({exc})") from exc
+
+    def rows(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor's bytes [rows, bytes a row] uint8, a view of the mapped file."""
+        return self.array[info.offset:info.offset + info.nbytes].view(info.rows, -1)
+
+
+def _processor(header: Header, config: Any):
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
+
+
+def _processed(processor: Any, mapping: dict[str, str], name: str, values: np.ndarray) -> np.ndarray | None:
+    """values after transformers' processing of GGUF tensor `name` (None when it renames or consumes the tensor)."""
+    result = processor.process(weights=values, name=name, tensor_key_mapping=mapping,
+                               parsed_parameters={"tensors": {}, "config": processor.config})
+    return None if result.weights is None or result.name != name else np.asarray(result.weights)
+
+
+def _row_order(processor: Any, mapping: dict[str, str], info: TensorInfo, path: Path) -> torch.Tensor | None:
+    """The order of the file's rows that gives the model's weight (None: as stored), asked of transformers'
+    processor on the row numbers; a processor that does more than reorder rows is refused."""
+    probe = np.arange(info.rows, dtype=np.float64).reshape(info.rows, 1)
+    out = _processed(processor, mapping, info.name, probe)
+    if out is None or out.size != info.rows or not np.array_equal(np.sort(out.reshape(-1)), probe.reshape(-1)):
+        raise ModelError(f"{path}: transformers reshapes tensor {info.name} beyond a row order; kvcli cannot run this "
+                         "file's own weights (use --weights float)")
+    order = out.reshape(-1).astype(np.int64)
+    return None if np.array_equal(order, probe.reshape(-1).astype(np.int64)) else torch.from_numpy(order)
+
+
+def _small_values(info: TensorInfo, raw: torch.Tensor) -> torch.Tensor:
+    """A small tensor (norm, bias) as float32, exactly as gguf dequantizes it."""
+    if info.kind == "F32":
+        return raw.reshape(-1).view(torch.float32).clone()
+    if info.kind in ("F16", "BF16"):
+        return raw.reshape(-1).view(torch.float16 if info.kind == "F16" else torch.bfloat16).float()
+    if kernels.supported(info.kind):
+        return kernels.dequantize(info.kind, kernels.prepare(info.kind, raw, info.rows, info.cols), info.rows, info.cols)
     import gguf
 
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    return torch.from_numpy(values.astype("float32", copy=False)).reshape(rows, cols)
+    values = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[info.kind])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(-1)
 
 
-def _in_model_order(file_w: torch.Tensor, weight: torch.Tensor, config: Any, name: str, path: Path) -> torch.Tensor | None:
-    """The row order that gives the model's weight from the file's (transformers permutes llama's q/k rows)."""
-    for order in stored._row_orders(file_w.shape[0], config):
-        rows = file_w if order is None else file_w[order]
-        if torch.equal(rows.to(weight.dtype), weight):
-            return order
-    raise ModelError(f"{path}: the file's weights for {name} are not the model's (kvcli cannot run this file's own "
-                     "low-bit weights); use --weights float")
-
-
-class _Errors:
-    """Per file type: layers, weights, max and summed absolute difference, summed absolute weight."""
-
-    def __init__(self) -> None:
-        self.by_type: dict[str, list[float]] = {}
-
-    def add(self, kind: str, kernel: str, runs: torch.Tensor, file_w: torch.Tensor) -> None:
-        diff = (runs - file_w).abs()
-        row = self.by_type.setdefault(f"{kind}->{kernel}", [0, 0, 0.0, 0.0, 0.0])
-        row[0] += 1
-        row[1] += diff.numel()
-        row[2] = max(row[2], float(diff.max()))
-        row[3] += float(diff.double().sum())
-        row[4] += float(file_w.abs().double().sum())
-
-    def report(self) -> dict[str, dict[str, float]]:
-        return {k: {"layers": int(n), "max_abs": float(f"{mx:.3g}"), "mean_abs": float(f"{s / w:.3g}"),
-                    "mean_weight": float(f"{a / w:.3g}")} for k, (n, w, mx, s, a) in sorted(self.by_type.items())}
-
-
-def _kernel_tensors(model: Any, gguf_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """For every linear layer of `model` (loaded from `gguf_path`), the tensors of the kernel nearest its type in the
-    file ("name.int4": codes two a byte [rows, cols/2] uint8, "name.int4sz": scales and zeros [cols/32, rows, 2]
-    bfloat16; or "name.int8": codes [rows, cols] int8, "name.int8s": scales [rows] bfloat16), and the weights'
-    difference from the file's, per file type -> kernel."""
+def _requantized(info: TensorInfo, raw: torch.Tensor) -> torch.Tensor:
+    """Rows of a type the kernels do not run, as Q8_0 blocks [rows, bytes a row] (a slice of rows at a time)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    tensors = stored._tensor_names(model, reader)
-    output = model.get_output_embeddings()
-    names = {m: n for n, m in model.named_modules()}
-    if output is not None and names.get(output) not in tensors:  # the output layer: its own tensor, else the tied embedding
-        by_name = {t.name: t for t in reader.tensors}
-        own = by_name.get("output.weight") or by_name.get("token_embd.weight")
-        if own is not None:
-            tensors[names[output]] = own
-    config, errors, out = model.config.get_text_config(), _Errors(), {}
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        tensor = tensors.get(name)
-        if tensor is None:
-            raise ModelError(f"{gguf_path}: no tensor in the file for the model's layer {name}; use --weights float")
-        rows, cols = module.out_features, module.in_features
-        kind = gguf.GGMLQuantizationType(int(tensor.tensor_type)).name
-        file_w = _file_weights(tensor, rows, cols)
-        order = _in_model_order(file_w, module.weight.detach(), config, name, gguf_path)
-        if order is not None:
-            file_w = file_w[order]
-        if (kind in _Q4 or kind in _FEWER_BITS) and cols % 32 == 0:
-            if kind in _Q4:
-                raw = torch.from_numpy(tensor.data.copy()).reshape(rows, -1)
-                codes, scale, add = q4_codes(raw if order is None else raw[order], kind, rows, cols)
-                if not torch.equal(stored.dequantize(codes, scale, add), file_w):
-                    raise ModelError(f"{gguf_path}: tensor {tensor.name} ({kind}) does not read back as gguf reads it; "
-                                     "use --weights float")
-            else:
-                codes, d, m = stored.quantize_q4(file_w)
-                scale, add = d.float(), m.float()
-            sz, runs = _scales_zeros(codes, scale, add)
-            out[f"{name}.int4"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-            out[f"{name}.int4sz"] = sz
-            errors.add(kind, "int4", runs, file_w)
-        else:
-            codes8, scales = stored.quantize_q8(file_w)
-            out[f"{name}.int8"], out[f"{name}.int8s"] = codes8, scales
-            errors.add(kind, "int8", codes8.float() * scales.float()[:, None], file_w)
-    return out, errors.report()
+    kind = gguf.GGMLQuantizationType[info.kind]
+    parts = []
+    for lo in range(0, info.rows, _FALLBACK_ROWS):
+        values = gguf.quants.dequantize(raw[lo:lo + _FALLBACK_ROWS].numpy(), kind).reshape(-1, info.cols)
+        parts.append(torch.from_numpy(gguf.quants.quantize(values.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)))
+    return torch.cat(parts).reshape(info.rows, -1)
 
 
-def _fits(kept: dict[str, torch.Tensor], name: str, layer: Any) -> bool:
-    """Whether `kept` holds one kernel's tensors for `layer` in the shapes and dtypes the kernels read (the file is
-    read back, not trusted: a wrong shape would reach native code)."""
-    rows, cols = layer.out_features, layer.in_features
-    want = ({f"{name}.int4": ((rows, cols // 2), torch.uint8), f"{name}.int4sz": ((cols // 32, rows, 2), torch.bfloat16)}
-            if f"{name}.int4" in kept else
-            {f"{name}.int8": ((rows, cols), torch.int8), f"{name}.int8s": ((rows,), torch.bfloat16)})
-    return all(k in kept and tuple(kept[k].shape) == shape and kept[k].dtype == dtype for k, (shape, dtype) in want.items())
+class _KeptWriter:
+    """A safetensors file written one tensor at a time (each 64-byte aligned, padding as `_pad.N` tensors): the
+    body streams to a scratch file, the header is written once every tensor is known, then the body after it."""
+
+    def __init__(self, path: Path):
+        from ...format.writing import hidden_sibling
+
+        self.path, self.tmp = path, hidden_sibling(path)
+        self.body_path = self.tmp.with_name(self.tmp.name + ".body")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.body = open(self.body_path, "wb")
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.at = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        pad = -self.at % ALIGN
+        if pad:
+            self._write(f"_pad.{len(self.entries)}", torch.zeros(pad, dtype=torch.uint8))
+        self._write(name, tensor)
+
+    def _write(self, name: str, tensor: torch.Tensor) -> None:
+        from safetensors.torch import _TYPES  # torch dtype -> safetensors' name
+
+        data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
+        self.body.write(memoryview(data))
+        names = {v: k for k, v in _TYPES.items()}
+        self.entries[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+                              "data_offsets": [self.at, self.at + data.size]}
+        self.at += data.size
+
+    def finish(self, metadata: dict[str, str]) -> None:
+        import shutil
+
+        self.body.close()
+        head = json.dumps({"__metadata__": metadata, **self.entries}, separators=(",", ":")).encode()
+        head += b" " * (-(8 + len(head)) % ALIGN)  # the body starts on a cache line too
+        with open(self.tmp, "wb") as out, open(self.body_path, "rb") as body:
+            out.write(len(head).to_bytes(8, "little"))
+            out.write(head)
+            shutil.copyfileobj(body, out, 1 << 24)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(self.tmp, self.path)
+        self.body_path.unlink(missing_ok=True)
+        for old in self.path.parent.glob("packed-v*.safetensors"):  # other layouts' files: never read again
+            if old != self.path:
+                old.unlink(missing_ok=True)
+
+    def abandon(self) -> None:
+        self.body.close()
+        self.body_path.unlink(missing_ok=True)
+        self.tmp.unlink(missing_ok=True)
 
 
-def _prepared(model: Any, gguf_path: Path, folder: Path | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """_kernel_tensors, kept in `folder` (KVCLI_HOME, keyed by the file's sha256; written atomically): reading the
-    GGUF's fields and dequantizing its tensors cost seconds, reading this file a fraction of one."""
-    import json
-    import os
-
+def _read_kept(path: Path, sha: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """The kept file's record and its tensors (mapped), or None when absent, damaged, of another version or file."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
-    from ...format.writing import hidden_sibling
-
-    path = folder / "gguf-kernels.safetensors" if folder is not None else None
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    if path is not None and path.is_file():
-        try:
-            with safe_open(str(path), "pt") as f:
-                kept = {k: f.get_tensor(k).clone() for k in f.keys()}  # torch's own (aligned) memory: the kernels need it
-                report = json.loads(f.metadata()["weights_error"])
-            if all(_fits(kept, n, m) for n, m in linears.items()) and len(kept) == 2 * len(linears):
-                return kept, report
-        except Exception:  # unreadable or another model's: made again below
-            pass
-    tensors, report = _kernel_tensors(model, gguf_path)
-    if path is not None:
-        tmp = hidden_sibling(path)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(tmp), metadata={"weights_error": json.dumps(report)})
-            os.replace(tmp, path)
-        except OSError:
-            pass  # not kept: the next load reads the GGUF again
-        finally:
-            tmp.unlink(missing_ok=True)
-    return tensors, report
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            if (meta.get("sha256") != sha or meta.get("layout") != str(kernels.LAYOUT_VERSION)
+                    or meta.get("scheme") != str(KEPT_SCHEME)):
+                return None
+            record = json.loads(meta["record"])
+            tensors = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("_pad.")}
+    except Exception:  # absent, cut short, not safetensors: made again
+        return None
+    want = {f"{name}:{key}" for name, entry in record["layers"].items() for key, where in entry["tensors"].items()
+            if where == "kept"}
+    return (record, tensors) if want == set(tensors) else None
 
 
-def use_gguf(model: Any, gguf_path: Path, folder: Path | None) -> dict[str, Any]:
-    """Replace every linear layer of `model` (loaded from `gguf_path`) by the kernel nearest its tensor's type in
-    the file, in place (the kernels' tensors kept in `folder`); returns the weights' difference from the file's."""
-    tensors, report = _prepared(model, gguf_path, folder)
+def _prepare_all(header: Header, file: _FileBytes, big: dict[str, torch.Tensor | None], path: Path, sha: str,
+                 kept: Path | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Run kernels.prepare over every big tensor (name -> row order) one at a time, keeping what it rearranges;
+    returns the record and the prepared tensors (mapped back from the kept file where it was written)."""
+    record: dict[str, Any] = {"layers": {}, "architecture": header.architecture, "size": header.size,
+                              "index": {n: i.as_list() for n, i in header.tensors.items()}}
+    writer = _KeptWriter(kept) if kept is not None else None
+    held: dict[str, torch.Tensor] = {}
+    try:
+        for name, order in big.items():
+            info = header.tensors[name]
+            raw = file.rows(info)
+            kind = info.kind
+            if not kernels.supported(kind):
+                raw, kind = _requantized(info, raw), _FALLBACK
+            if order is not None:
+                raw = raw[order]  # [rows, bytes a row]: rows in the model's order
+            prepared = kernels.prepare(kind, raw, info.rows, info.cols)
+            where = {}
+            for key, t in prepared.items():
+                same = raw.data_ptr() == file.array.data_ptr() + info.offset and t.data_ptr() == raw.data_ptr() \
+                    and t.shape == raw.shape and t.dtype == torch.uint8
+                where[key] = "file" if same else "kept"
+                if not same:
+                    if writer is not None:
+                        writer.add(f"{name}:{key}", t)
+                    else:
+                        held[f"{name}:{key}"] = t
+            record["layers"][name] = {"kind": kind, "tensors": where}
+        if writer is None:
+            return record, held
+        writer.finish({"sha256": sha, "layout": str(kernels.LAYOUT_VERSION), "scheme": str(KEPT_SCHEME),
+                       "record": json.dumps(record, separators=(",", ":"))})
+    except OSError:
+        if writer is not None:
+            writer.abandon()
+        return _prepare_all(header, file, big, path, sha, None)  # not kept: the next load prepares again
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        raise
+    again = _read_kept(kept, sha)
+    if again is None:
+        raise ModelError(f"{kept}: the kept tensors do not read back as written")
+    return again
+
+
+def _tensors_for(record: dict[str, Any], kept: dict[str, torch.Tensor], file: _FileBytes, header: Header,
+                 name: str) -> tuple[str, dict[str, torch.Tensor]]:
+    entry = record["layers"][name]
+    out = {key: kept[f"{name}:{key}"] if where == "kept" else file.rows(header.tensors[name])
+           for key, where in entry["tensors"].items()}
+    return entry["kind"], out
+
+
+def skeleton(config: Any, dtype: torch.dtype, trust_remote_code: bool = False) -> Any:
+    """The transformers model for `config` with every weight on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    from .quiet import quiet_transformers
+
+    with quiet_transformers(), torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def _header_from_record(record: dict[str, Any]) -> Header:
+    tensors = {n: TensorInfo(n, *v) for n, v in record["index"].items()}
+    return Header({"general.architecture": record["architecture"]}, tensors, record["size"])
+
+
+def check_file(path: Path, sha: str, folder: Path | None) -> None:
+    """Refuse (ModelError naming it) a file that is not a whole GGUF, before anything else reads it; a file whose
+    tensors are kept, of the size recorded, is not read again."""
+    found = _read_kept(kept_path(folder), sha) if folder is not None else None
+    if found is None or found[0].get("size") != os.stat(path).st_size:
+        read_header(path)
+
+
+def load(path: Path, sha: str, model: Any, folder: Path | None) -> dict[str, Any]:
+    """Fill `model` (built on the meta device from the file's config) from the GGUF file at `path` in place: linear
+    layers and the embedding on the file's blocks, the rest materialised on the CPU. folder: where the kept tensors
+    live (None: kept nowhere). Returns per file type the number of layers run on it."""
+    size = os.stat(path).st_size
+    kept = kept_path(folder) if folder is not None else None
+    found = _read_kept(kept, sha) if kept is not None else None
+    if found is not None and found[0].get("size") != size:
+        found = None  # not the file recorded: read_header below says what is wrong with it
+    header = _header_from_record(found[0]) if found is not None else read_header(path)
+    file = _FileBytes(path, size)
+    config = model.config.get_text_config()
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    processor = _processor(header, config)
+    mapping = get_gguf_hf_weights_map(model, processor)  # gguf tensor name -> the model's parameter name
+    by_param = {hf: g for g, hf in mapping.items() if g in header.tensors}
+    modules = dict(model.named_modules())
+    packed = {n: m for n, m in modules.items() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+    sources: dict[str, str] = {}  # module name -> gguf tensor
+    for name in packed:
+        g = by_param.get(f"{name}.weight")
+        if g is None and packed[name] is model.get_output_embeddings():  # tied: the embedding's tensor
+            g = by_param.get(f"{_name_of(model.get_input_embeddings(), modules)}.weight")
+        if g is None:
+            raise ModelError(f"{path}: no tensor in the file for the model's layer {name}")
+        sources[name] = g
+    if found is None:
+        big = {g: _row_order(processor, mapping, header.tensors[g], path) for g in dict.fromkeys(sources.values())}
+        found = _prepare_all(header, file, big, path, sha, kept)
+    record, kept_tensors = found
+    report: dict[str, Any] = {}
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with torch.inference_mode():
-        for name, module in list(model.named_modules()):
-            if not isinstance(module, torch.nn.Linear):
-                continue
-            bias = module.bias.detach().clone() if module.bias is not None else None
-            if f"{name}.int4" in tensors:
-                two = tensors[f"{name}.int4"]  # [rows, cols/2]: even columns in the low nibble
-                codes = torch.stack([two & 0x0F, two >> 4], dim=-1).reshape(module.out_features, module.in_features)
-                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-                layer = stored.Q4Linear(packed, tensors[f"{name}.int4sz"], module.in_features, module.out_features, bias)
+        for name, module in packed.items():
+            g = sources[name]
+            info = header.tensors[g]
+            kind, tensors = _tensors_for(record, kept_tensors, file, header, g)
+            _check_shape(module, info, path)
+            if isinstance(module, torch.nn.Embedding):
+                layer = kernels.PackedEmbedding(kind, info.rows, info.cols, tensors, dtype=module.weight.dtype)
             else:
-                layer = stored.Q8Linear(tensors[f"{name}.int8"], tensors[f"{name}.int8s"], bias)
+                bias = None
+                if module.bias is not None:
+                    bias = _small(processor, mapping, header, file, by_param, f"{name}.bias", path)
+                layer = kernels.PackedLinear(kind, info.rows, info.cols, tensors, bias)
+                if layer.bias is not None:  # in the model's dtype, as its other parameters (model.dtype reads it)
+                    layer.bias.data = layer.bias.data.to(dtype)
             model.set_submodule(name, layer)
-    return report
+            report[info.kind] = report.get(info.kind, 0) + 1
+        _materialise_rest(model, processor, mapping, header, file, by_param, path)
+    return {"layers": report, "backend": kernels.backend()}
+
+
+def _name_of(module: Any, modules: dict[str, Any]) -> str:
+    return next(n for n, m in modules.items() if m is module)
+
+
+def _check_shape(module: Any, info: TensorInfo, path: Path) -> None:
+    rows, cols = ((module.num_embeddings, module.embedding_dim) if isinstance(module, torch.nn.Embedding)
+                  else (module.out_features, module.in_features))
+    if (info.rows, info.cols) != (rows, cols):
+        raise ModelError(f"{path}: tensor {info.name} is {info.rows} x {info.cols}, and the model's layer wants "
+                         f"{rows} x {cols}")
+
+
+def _small(processor: Any, mapping: dict[str, str], header: Header, file: _FileBytes, by_param: dict[str, str],
+           param: str, path: Path) -> torch.Tensor:
+    g = by_param.get(param)
+    if g is None:
+        raise ModelError(f"{path}: no tensor in the file for the model's {param}")
+    info = header.tensors[g]
+    values = _small_values(info, file.rows(info))
+    shape = (info.rows, info.cols) if info.rows > 1 else (info.cols,)
+    done = _processed(processor, mapping, g, values.numpy().reshape(shape))
+    if done is None:
+        raise ModelError(f"{path}: transformers does not read tensor {g} as one parameter; use --weights float")
+    return torch.from_numpy(np.ascontiguousarray(done, dtype=np.float32))
+
+
+def _materialise_rest(model: Any, processor: Any, mapping: dict[str, str], header: Header, file: _FileBytes,
+                      by_param: dict[str, str], path: Path) -> None:
+    """Every parameter and buffer still on the meta device made on the CPU: parameters from the file (norms),
+    buffers (rotary frequencies) as transformers initialises them."""
+    for mod_name, module in model.named_modules():
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if p.is_meta]
+        buffers = [n for n, b in module.named_buffers(recurse=False) if b.is_meta]
+        if not params and not buffers:
+            continue
+        module.to_empty(device="cpu", recurse=False)
+        for n, p in module.named_parameters(recurse=False):
+            if any(n == q for q, _ in params):
+                full = f"{mod_name}.{n}" if mod_name else n
+                values = _small(processor, mapping, header, file, by_param, full, path)
+                if values.numel() != p.numel():
+                    raise ModelError(f"{path}: tensor {by_param[full]} has {values.numel()} values, the model's {full} {p.numel()}")
+                p.copy_(values.reshape(p.shape))
+        if buffers:
+            model._init_weights(module)  # transformers' own initialisation of non-persistent buffers (rotary)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ModelError(f"{path}: kvcli cannot make the model's {left[0]} from the file; use --weights float")
+
+
+def estimate_bytes(header: Header, mode: str) -> int:
+    """The memory the model's weights take in `mode`: the file's tensors (gguf), or every weight as float32."""
+    if mode == "gguf":
+        return sum(i.nbytes for i in header.tensors.values())
+    return sum(i.rows * i.cols * 4 for i in header.tensors.values())

@@ -115,15 +115,16 @@ def reload_source(source: dict[str, Any]) -> dict[str, Any]:
     if kind == "default":
         path = default_gguf_path()
         found = {"kind": "default", "name": DEFAULT_NAME, "path": str(path), "sha256": _cached_sha(path)}
-        return {**found, "weights": source["weights"]} if "weights" in source else found
+        return {**found, "weights": source.get("weights", "float")}
     if kind == "gguf":
-        if not (gguf_folders(str(source.get("sha256")))[0] / "config.json").is_file():
-            path = Path(str(source.get("path")))
+        weights = source.get("weights", "float")  # a float cache records no weights
+        if weights == "gguf" or not (gguf_folders(str(source.get("sha256")))[0] / "config.json").is_file():
+            path = Path(str(source.get("path")))  # gguf weights are read from the file itself
             if not path.is_file():
                 raise ModelError(f"{path}: the cache's GGUF model is gone; pass --model")
             if _cached_sha(path) != source.get("sha256"):
                 raise ModelError(f"{path}: the GGUF file changed since the cache was built; pass --model or rebuild the cache")
-        return dict(source)
+        return {**source, "weights": weights}
     if kind == "folder":
         path = Path(str(source.get("path")))
         if not (path / "config.json").is_file():
@@ -141,8 +142,8 @@ def cache_source(spec: str | None, recorded: dict[str, Any], *, revision: str | 
     if not spec:
         return reload_source(recorded)
     source = resolve(spec, revision=revision)
-    if "weights" in recorded and source["kind"] in ("default", "gguf"):
-        source["weights"] = recorded["weights"]
+    if source["kind"] in ("default", "gguf"):
+        source["weights"] = recorded.get("weights", "float")
     return source
 
 
@@ -297,6 +298,12 @@ def _load_error(source: dict[str, Any], exc: BaseException) -> ModelError:
     return ModelError(f"{source.get('path', source.get('name'))}: cannot load model ({exc.__class__.__name__}: {_first_line(exc)})")
 
 
+def default_weights(source: dict[str, Any]) -> str:
+    """The arithmetic a model runs when none is asked for: a .gguf file its own bits ("gguf"), any other model (the
+    embedded default included, whose float32 answers are the exactness reference) its float weights."""
+    return "gguf" if source.get("kind") == "gguf" else "float"
+
+
 def load(
     model: str | None = None,
     *,
@@ -307,24 +314,34 @@ def load(
     progress: Progress | None = None,
     source: dict[str, Any] | None = None,
     weights: str | None = None,
+    available: Callable[[], int] | None = None,
 ) -> LoadedModel:
     """Load model and tokenizer for kvcli; refuse models whose cache kvcli cannot restore exactly.
 
     On the CPU, sdpa attention becomes kvcli's grouped-query sdpa (engine/model/attention.py). weights: "float",
-    "q8", "q4" or "gguf" (engine/model/stored.py, gguf_weights.py); None takes the source's own (a cache's recorded source)."""
+    "q8", "q4" or "gguf" (engine/model/stored.py, gguf_weights.py); None takes the source's own (a cache's recorded
+    source), else default_weights. A GGUF model that would not fit the memory free now (`available()` bytes,
+    memory.available by default) is refused before anything loads (memory.ModelTooLargeError)."""
     source = dict(source) if source is not None else resolve(model, revision=revision)
     args = hub.load_args(source)  # before torch is imported
-    from . import attention, gguf_weights, linear, stored
+    from . import memory, stored
+
+    mode = weights or source.pop("weights", None) or default_weights(source)  # set again below, as loaded
+    source.pop("weights", None)
+    dev = pick_device(device)
+    stored.check_mode(mode, source, dev)  # before any weight loads, as the architecture check below
+    if source["kind"] in ("default", "gguf"):
+        memory.check_fits(Path(source["path"]), mode, dtype, available)
+    if mode == "gguf":
+        return _load_gguf(source, dev, dtype, trust_remote_code)
+    from . import attention, linear
     from .paging import page_in
     from ..cache import layers
 
-    recorded = source.pop("weights", "float")  # set again below, as loaded
-    mode, dev = weights or recorded, pick_device(device)
-    stored.check_mode(mode, source, dev)  # before any weight loads, as the architecture check below
     config = load_config(source, trust_remote_code=trust_remote_code, progress=progress)
     layers.plan(config)  # raises ModelError for unsupported architectures before loading any weights
     where = _load_path(source, progress)
-    torch_dtype = pick_dtype("bfloat16" if mode == "gguf" and dtype == "auto" else dtype, dev, config)  # gguf's kernels take bfloat16
+    torch_dtype = pick_dtype(dtype, dev, config)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = _from_pretrained(source, AutoTokenizer, where, trust_remote_code=trust_remote_code, **args)
@@ -337,13 +354,37 @@ def load(
     if mode != "float":  # recorded: a cache of this arithmetic is refused by the other
         gguf = source["kind"] in ("default", "gguf")  # q4 then runs the file's own 4-bit codes
         path, folder = (Path(source["path"]), gguf_folders(source["sha256"])[0]) if gguf else (None, None)
-        if mode == "gguf":  # each layer on the kernel nearest its type in the file (check_mode: a GGUF source)
-            fp["weights_error"] = gguf_weights.use_gguf(lm, path, folder.with_name(folder.name + "-gguf"))
-        else:
-            stored.use(lm, mode, path, folder)
+        stored.use(lm, mode, path, folder)
         source["weights"] = fp["weights"] = mode
     linear.use_split_linears(lm)
     page_in(lm)
+    return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fp)
+
+
+def packed_folder(sha: str) -> Path:
+    """Where a GGUF file's (by sha256) tensors prepared for the kernels are kept (gguf_weights)."""
+    folder = gguf_folders(sha)[0]
+    return folder.with_name(folder.name + "-packed")
+
+
+def _load_gguf(source: dict[str, Any], dev: str, dtype: str, trust_remote_code: bool) -> LoadedModel:
+    """A GGUF file on its own bits, streamed from the mapped file into the kernels' layers (gguf_weights): no float
+    weights, no converted folder."""
+    from . import attention, gguf_weights
+    from ..cache import layers
+
+    gguf_weights.check_file(Path(source["path"]), source["sha256"], packed_folder(source["sha256"]))
+    config, tok = config_and_tokenizer(source, trust_remote_code=trust_remote_code, check=layers.plan)
+    torch_dtype = pick_dtype("bfloat16" if dtype == "auto" else dtype, dev, config)  # the kernels' activations
+    lm = gguf_weights.skeleton(config, torch_dtype, trust_remote_code)
+    report = gguf_weights.load(Path(source["path"]), source["sha256"], lm, packed_folder(source["sha256"]))
+    lm.config._name_or_path = source["path"]  # as from_pretrained names a model by where it came from
+    lm.eval()
+    attention.select(lm)
+    fp = fingerprint(lm, tok)  # the parameters left are the small ones; the file's digest stands for the rest
+    fp["weights_sha256"] = sha256_json(["gguf-file", source["sha256"]])
+    fp["weights_error"] = {kind: {"layers": n, "max_abs": 0.0, "mean_abs": 0.0} for kind, n in report["layers"].items()}
+    source["weights"] = fp["weights"] = "gguf"
     return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fp)
 
 
