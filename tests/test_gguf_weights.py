@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvcli
-from kvcli.engine.model import gguf_weights, kernels, models
+from kvcli.engine.model import gguf_model, gguf_weights, kernels, models
 from kvcli.engine.model.memory import ModelTooLargeError
 from kvcli.errors import CacheMismatchError, ModelError
 from tests.conftest import SAMPLES
@@ -341,7 +341,8 @@ def test_info_names_the_gguf_weights(gguf_cache):
 
 def test_what_is_kept_is_at_most_the_rearranged_blocks(gguf_lm, session_home):
     """Blocks kernels.prepare leaves as they are in the file are read from the mapped file, not copied."""
-    kept = next((session_home / "models").glob("gguf-*-packed/packed-v*.safetensors"))
+    kept = gguf_weights.kept_path(gguf_model.packed_folder(models.gguf_folders(gguf_lm.source["sha256"])[0]))
+    assert kept.is_relative_to(session_home)
     record, tensors = gguf_weights._read_kept(kept, gguf_lm.source["sha256"])
     copied = sum(t.numel() * t.element_size() for t in tensors.values())
     assert kept.stat().st_size < copied + (1 << 20)  # the copies and a small index

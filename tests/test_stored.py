@@ -309,7 +309,7 @@ def test_help_names_the_weights_modes():
     for command in ("prefill", "bench"):
         text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", run(command, "--help").stdout).split())
         assert "--weights <float|q8|q4|gguf>" in text, command
-        assert "gguf: a GGUF file's own low-bit weights" in text, command
+        assert "gguf (the default for a .gguf file): the file's own low-bit weights" in text, command
         assert "q8: any model's weights as int8 per output channel" in text, command
 
 

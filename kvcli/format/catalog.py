@@ -71,7 +71,7 @@ def describe_storage(m: Manifest) -> str:
 WEIGHTS = {"float": "float (as transformers dequantizes them, in the dtype above)",
            "q8": "q8 (int8 weights per output channel, quantized at load: torch's int8 kernel, bfloat16 activations)",
            "q4": "q4 (the GGUF file's 4-bit weights as stored: torch's int4 kernel, bfloat16 activations)",
-           "gguf": "gguf (the GGUF file's own low-bit weights: 4-bit types on torch's int4 kernel, others on its int8 kernel)"}
+           "gguf": "gguf (the GGUF file's own low-bit weights, each tensor's blocks as stored, on kvcli's kernels)"}
 
 
 def describe_weights(m: Manifest) -> str:

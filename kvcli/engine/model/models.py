@@ -332,11 +332,18 @@ def load(
     stored.check_mode(mode, source, dev)  # before any weight loads, as the architecture check below
     if source["kind"] in ("default", "gguf"):
         memory.check_fits(Path(source["path"]), mode, dtype, available)
-    if mode == "gguf":
-        return _load_gguf(source, dev, dtype, trust_remote_code)
+    from ..cache import layers
+
+    if mode == "gguf":  # the file's own blocks, streamed from the mapped file: no float weights, no converted folder
+        from . import gguf_model
+
+        gguf_model.check_file(source, gguf_folders(source["sha256"])[0])
+        config, tok = config_and_tokenizer(source, trust_remote_code=trust_remote_code, check=layers.plan)
+        torch_dtype = pick_dtype("bfloat16" if dtype == "auto" else dtype, dev, config)  # the kernels' activations
+        lm, fp = gguf_model.load_gguf(source, config, tok, torch_dtype, trust_remote_code, gguf_folders(source["sha256"])[0])
+        return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fp)
     from . import attention, linear
     from .paging import page_in
-    from ..cache import layers
 
     config = load_config(source, trust_remote_code=trust_remote_code, progress=progress)
     layers.plan(config)  # raises ModelError for unsupported architectures before loading any weights
@@ -358,33 +365,6 @@ def load(
         source["weights"] = fp["weights"] = mode
     linear.use_split_linears(lm)
     page_in(lm)
-    return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fp)
-
-
-def packed_folder(sha: str) -> Path:
-    """Where a GGUF file's (by sha256) tensors prepared for the kernels are kept (gguf_weights)."""
-    folder = gguf_folders(sha)[0]
-    return folder.with_name(folder.name + "-packed")
-
-
-def _load_gguf(source: dict[str, Any], dev: str, dtype: str, trust_remote_code: bool) -> LoadedModel:
-    """A GGUF file on its own bits, streamed from the mapped file into the kernels' layers (gguf_weights): no float
-    weights, no converted folder."""
-    from . import attention, gguf_weights
-    from ..cache import layers
-
-    gguf_weights.check_file(Path(source["path"]), source["sha256"], packed_folder(source["sha256"]))
-    config, tok = config_and_tokenizer(source, trust_remote_code=trust_remote_code, check=layers.plan)
-    torch_dtype = pick_dtype("bfloat16" if dtype == "auto" else dtype, dev, config)  # the kernels' activations
-    lm = gguf_weights.skeleton(config, torch_dtype, trust_remote_code)
-    report = gguf_weights.load(Path(source["path"]), source["sha256"], lm, packed_folder(source["sha256"]))
-    lm.config._name_or_path = source["path"]  # as from_pretrained names a model by where it came from
-    lm.eval()
-    attention.select(lm)
-    fp = fingerprint(lm, tok)  # the parameters left are the small ones; the file's digest stands for the rest
-    fp["weights_sha256"] = sha256_json(["gguf-file", source["sha256"]])
-    fp["weights_error"] = {kind: {"layers": n, "max_abs": 0.0, "mean_abs": 0.0} for kind, n in report["layers"].items()}
-    source["weights"] = fp["weights"] = "gguf"
     return LoadedModel(model=lm, tokenizer=tok, source=source, fingerprint=fp)
 
 
