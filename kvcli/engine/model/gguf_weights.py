@@ -32,6 +32,8 @@ KEPT_SCHEME = 1  # the kept file's own layout (names, metadata); LAYOUT_VERSION 
 ALIGN = 64  # every kept tensor starts on a cache line
 _FALLBACK = "Q8_0"  # what types the kernels do not run are requantized to
 _FALLBACK_ROWS = 256  # rows dequantized at a time for that
+_SAFETENSORS_TYPES = {torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+                      torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
 
 
 def kept_path(folder: Path) -> Path:
@@ -124,12 +126,9 @@ class _KeptWriter:
         self._write(name, tensor)
 
     def _write(self, name: str, tensor: torch.Tensor) -> None:
-        from safetensors.torch import _TYPES  # torch dtype -> safetensors' name
-
         data = tensor.contiguous().view(torch.uint8).reshape(-1).numpy()
         self.body.write(memoryview(data))
-        names = {v: k for k, v in _TYPES.items()}
-        self.entries[name] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+        self.entries[name] = {"dtype": _SAFETENSORS_TYPES[tensor.dtype], "shape": list(tensor.shape),
                               "data_offsets": [self.at, self.at + data.size]}
         self.at += data.size
 
@@ -286,7 +285,6 @@ def load(path: Path, sha: str, model: Any, folder: Path | None) -> dict[str, Any
         found = _prepare_all(header, file, big, path, sha, kept)
     record, kept_tensors = found
     report: dict[str, Any] = {}
-    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with torch.inference_mode():
         for name, module in packed.items():
             g = sources[name]
@@ -300,8 +298,6 @@ def load(path: Path, sha: str, model: Any, folder: Path | None) -> dict[str, Any
                 if module.bias is not None:
                     bias = _small(processor, mapping, header, file, by_param, f"{name}.bias", path)
                 layer = kernels.PackedLinear(kind, info.rows, info.cols, tensors, bias)
-                if layer.bias is not None:  # in the model's dtype, as its other parameters (model.dtype reads it)
-                    layer.bias.data = layer.bias.data.to(dtype)
             model.set_submodule(name, layer)
             report[info.kind] = report.get(info.kind, 0) + 1
         _materialise_rest(model, processor, mapping, header, file, by_param, path)
