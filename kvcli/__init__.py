@@ -18,7 +18,7 @@ _LAZY = {
     "LoadedModel": ("kvcli.engine.model.models", "LoadedModel"),
     "read_document": ("kvcli.documents", "read"),
     "Document": ("kvcli.documents", "Document"),
-    "prefill": ("kvcli.engine.prefilling", "prefill"),
+    "prefill": ("kvcli.engine.sections.build", "prefill"),  # prefilling.prefill, sections past the window
     "Session": ("kvcli.engine.answer", "Session"),
     "Answer": ("kvcli.engine.answer", "Answer"),
     "GenerationOptions": ("kvcli.engine.answer", "GenerationOptions"),

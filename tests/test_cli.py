@@ -119,12 +119,14 @@ def test_bad_documents_refused(tmp_path, tiny_model_dir, content, needles):
     assert not (tmp_path / "empty.kv").exists()
 
 
-def test_document_too_long_is_refused_before_computing(tmp_path, tiny_model_dir):
+def test_document_longer_than_the_model_becomes_sections(tmp_path, tiny_model_dir):
+    # refused only by models whose keys cannot move (tests/test_count.py); here a sectioned cache (tests/test_sections.py)
     doc = tmp_path / "long.txt"
-    doc.write_text(sample_text(60_000), encoding="utf-8")
-    line = assert_clean_error(run("prefill", doc, "--model", tiny_model_dir), 1, "long.txt", "8192")
-    assert "tokens" in line
-    assert not (tmp_path / "long.kv").exists()
+    doc.write_text(sample_text(40_000), encoding="utf-8")
+    result = run("prefill", doc, "--model", tiny_model_dir, "--json", "--no-server")
+    assert result.exit_code == 0, result.stderr
+    record = json_lines(result.stdout)[0]
+    assert record["num_tokens"] > 8192 and record["sections"] > 16
 
 
 def test_other_encoding(tmp_path, tiny_model_dir):

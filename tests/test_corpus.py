@@ -33,7 +33,7 @@ def docs(tmp_path_factory) -> list[Path]:
 
 # the one record every prefill reports (docs/scripting.md)
 RECORD = {"document", "cache", "status", "num_tokens", "compute_s", "write_s", "bytes_raw", "bytes_on_disk", "storage", "seconds",
-          "computed_tokens", "extended_from", "base", "error", "format", "served"}
+          "computed_tokens", "extended_from", "base", "error", "format", "sections", "served"}
 
 
 def write_list(path: Path, entries: list) -> Path:

@@ -268,24 +268,36 @@ def server(monkeypatch):
     s.close()
 
 
+@pytest.fixture(scope="module")
+def gpt2_dir(plain_tokenizer, tmp_path_factory):
+    """A tiny GPT-2 folder (1,024 learned positions): its keys cannot move, so a longer document cannot be cut into
+    sections (engine/sections) and is refused."""
+    from tests.test_architectures import build
+
+    folder = tmp_path_factory.mktemp("gpt2")
+    build("gpt2", plain_tokenizer).save_pretrained(folder)
+    plain_tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.parametrize("where", ["--no-server", "--server"])
-def test_a_document_too_long_is_refused_before_loading(tmp_path, short_model_dir, no_weights, where, request):
+def test_a_document_too_long_is_refused_before_loading(tmp_path, gpt2_dir, no_weights, where, request):
     long = tmp_path / "long.txt"
     long.write_text(sample_text(8000), encoding="utf-8")
     if where == "--server":
         server = request.getfixturevalue("server")
-    result = run("prefill", long, "--model", short_model_dir, "-o", tmp_path / "long.kv", where)
+    result = run("prefill", long, "--model", gpt2_dir, "-o", tmp_path / "long.kv", where)
     assert_clean_error(result, 1, "long.txt", "exceed the model's limit of 1024 positions")
     assert not (tmp_path / "long.kv").exists()
     if where == "--server":
         assert server.server.warm.status()["models"] == []
 
 
-def test_of_several_documents_only_the_too_long_one_is_refused(tmp_path, short_model_dir):
+def test_of_several_documents_only_the_too_long_one_is_refused(tmp_path, gpt2_dir):
     long, short = tmp_path / "long.txt", tmp_path / "short.txt"
     long.write_text(sample_text(8000), encoding="utf-8")
     short.write_text(sample_text()[:1500], encoding="utf-8")
-    result = run("prefill", long, short, "--model", short_model_dir, "-o", tmp_path / "out", "--no-server")
+    result = run("prefill", long, short, "--model", gpt2_dir, "-o", tmp_path / "out", "--no-server")
     assert result.exit_code == 1 and "exceed the model's limit" in result.stderr
     assert (tmp_path / "out" / "short.kv").is_dir() and not (tmp_path / "out" / "long.kv").exists()
 

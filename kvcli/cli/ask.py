@@ -43,9 +43,11 @@ def ask(
     batch_size: Annotated[int, typer.Option(min=1, metavar="N", help="Questions decoded together on one document (1: one by one; more answer several questions in less time than one by one).")] = DEFAULT_BATCH,
     blend: Annotated[bool, typer.Option("--blend", help="Make ONE prompt of the caches' documents in the order given, then the question, "
                                         "from their caches (approximate: --check measures it; docs/composing.md).")] = False,
-    recompute: Annotated[Optional[float], typer.Option(metavar="FRACTION", help="With --blend: the share of each later document "
-                                                      "recomputed so it sees the documents before it (0: none; 1: exact, as slow "
+    recompute: Annotated[Optional[float], typer.Option(metavar="FRACTION", help="With --blend or a sectioned cache: the share of each later document "
+                                                      "(section) recomputed so it sees the text before it (0: none; 1: exact, as slow "
                                                       "as a recompute; default 0.15).", show_default=False)] = None,
+    sections: Annotated[Optional[int], typer.Option("--sections", min=1, metavar="N", help="A sectioned cache (a document longer than the window): use the N sections that best match each question (default: as many as fit the window).", show_default=False)] = None,
+    every: Annotated[bool, typer.Option("--all", help="A sectioned cache: use every section, in document order (refused past the model's positions).")] = False,
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
     json_out: JsonOpt = False,
@@ -58,8 +60,20 @@ def ask(
         raise UsageError("--cache is required (the cache to answer from; make one with kvcli prefill DOC)")
     from ..generation import check_options, check_trust
 
-    if recompute is not None and not blend:
-        raise UsageError("--recompute is the share of each document recomputed by --blend: add --blend")
+    sectioned = _sectioned(cache)
+    if recompute is not None and not blend and not sectioned:
+        raise UsageError("--recompute is the share of each document recomputed by --blend or of each section of a sectioned "
+                         "cache: add --blend")
+    if (sections is not None or every) and not sectioned:
+        raise UsageError("--sections and --all choose the sections of a sectioned cache (a document longer than the window); "
+                         f"{cache[0]} is not one")
+    how = None
+    if sectioned and not blend:
+        from ..engine.sections.session import DEFAULT_RECOMPUTE as SECTION_RECOMPUTE, Sections
+
+        how = Sections(count=sections, every=every, recompute=SECTION_RECOMPUTE if recompute is None else recompute)
+        if follow_up:
+            raise UsageError("--follow-up cannot continue a sectioned cache's prompt (each question makes its own)")
     if blend and len(cache) < 2:
         raise UsageError("--blend makes one prompt of several caches: give --cache at least twice")
     if blend and follow_up:
@@ -83,7 +97,7 @@ def ask(
 
     if check and server:
         raise UsageError("--check recomputes every prompt in this process: it cannot go through a server (drop --server)")
-    if server is not False and not check and not any(is_url(c) for c in cache):  # a running `kvcli serve` answers without importing torch
+    if server is not False and not check and not sectioned and not any(is_url(c) for c in cache):  # a running `kvcli serve` answers without importing torch
         options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
                    "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size}
         fields = {"caches": [os.path.abspath(c) for c in cache], "questions": qs, "options": options, "model": served.client_model(model),
@@ -118,8 +132,12 @@ def ask(
         else:
             local = local_cache(path, out, check=lambda m: loader.fits(m, shown(path), convert_dtype=convert_dtype))
             with out.status(f"loading {path}"):
-                session = loader.session(local, where=shown(path), convert_dtype=convert_dtype)
-        yield session
+                session = loader.session(local, where=shown(path), convert_dtype=convert_dtype, sections=how)
+        try:
+            yield session
+        finally:
+            if hasattr(session, "close"):  # a sectioned cache, held open for its sections
+                session.close()
 
     def history_for(session) -> list:
         return conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier is not None else []
@@ -130,3 +148,21 @@ def ask(
     return ask_events(open_session, cache, qs, opts, emit=render, history_for=history_for, batch_size=batch_size, check=check,
                       stream=not json_out, shown=shown, blend=blend)
 
+
+
+def _sectioned(caches: list[str]) -> bool:
+    """Whether any local cache given is sectioned (its manifest alone read; a URL or a broken cache says no here and is
+    reported where it is opened)."""
+    from ..errors import CacheError
+    from ..format import store
+    from ..remote import is_url
+
+    for c in caches:
+        if is_url(c):
+            continue
+        try:
+            if store.read_manifest(c, chain=False).sections is not None:
+                return True
+        except CacheError:
+            continue
+    return False

@@ -63,6 +63,9 @@ def info(
     head.add_row("weights", Text(catalog.describe_weights(m)))
     head.add_row("storage", Text(catalog.describe_storage(m)))
     head.add_row("format", Text(f"{s['format_version']}, shards checked with {s['shard_hash']}"))
+    if m.sections is not None:
+        head.add_row("sections", Text(f"{len(m.sections.parts)} (a document longer than the window of {m.sections.window:,} "
+                                      "positions: each question uses the sections it needs)"))
     if len(links) > 1:
         head.add_row("chain", Text(" -> ".join(f"{row['path']} ({row['own_tokens']:,} tokens)" for row in links)))
     rows = catalog.layer_rows(m)
@@ -75,6 +78,12 @@ def info(
                                 + (f"; stored {min(ratios):.1%}-{max(ratios):.1%} of raw" if ratios else "")
                                 + ("" if layers else " (--layers: each layer)")))
     out.table(head)
+    if s["sections"] is not None:  # the head's layers hold only the prompt's head: the sections say more
+        table = Table("section", "lines", "pages", "tokens", "stored", "headings")
+        for row in s["sections"]:
+            table.add_row(str(row["section"]), f"{row['start_line']}-{row['end_line']}", ", ".join(map(str, row.get("pages", []))) or "-",
+                          f"{row['tokens']:,}", human_bytes(row["bytes_on_disk"]), Text(" / ".join(row["headings"]) or "-"))
+        out.table(table)
     if not layers:
         return 0
     table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")
@@ -105,10 +114,11 @@ def verify(
             out.json_line({"cache": shown(path), "ok": False, "error": str(exc)}) if json_out else out.error(exc)
             continue
         if json_out:
-            out.json_line({"cache": shown(path), "ok": True, "num_tokens": m.num_tokens, "num_layers": len(m.layers),
-                           "storage": m.storage})
+            out.json_line({"cache": shown(path), "ok": True, "num_tokens": m.document_tokens, "num_layers": len(m.layers),
+                           "storage": m.storage, **({"sections": len(m.sections.parts)} if m.sections else {})})
         else:
-            out.write(f"{shown(path)}: ok ({len(m.layers)} layers, {m.num_tokens:,} tokens, {m.storage})\n")
+            parts = f", {len(m.sections.parts)} sections" if m.sections else ""
+            out.write(f"{shown(path)}: ok ({len(m.layers)} layers, {m.document_tokens:,} tokens{parts}, {m.storage})\n")
     return worst
 
 

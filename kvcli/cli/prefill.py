@@ -37,6 +37,7 @@ def prefill(
     after: Annotated[Optional[str], typer.Option("--after", metavar="CACHE", help="Extend this cache: the document follows its document in one prompt, only the new tokens are computed and stored, with a link to CACHE.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing cache (recomputed whole, even where its document only grew).")] = False,
     compression: Annotated[Literal["small", "fast"], typer.Option("--compression", help="Lossless storage: small (byte planes, zstd level 1) or fast (plain bytes, zstd level -1: larger on disk, restored faster where cores, not disks, are the limit).")] = "small",
+    window: Annotated[Optional[int], typer.Option("--window", min=64, metavar="N", help="Positions a question's prompt may use (default: the model's); a longer document becomes a sectioned cache whose questions each use the sections that fit.", show_default=False)] = None,
     kv_bits: Annotated[Optional[int], typer.Option("--kv-bits", metavar="BITS", help="Store keys/values quantized to 8 or 4 bits (lossy, smaller; default: lossless).", show_default=False)] = None,
     trust_remote_code: TrustOpt = False,
     server: ServerOpt = None,
@@ -58,6 +59,8 @@ def prefill(
         raise UsageError("--after takes a local cache folder and documents given by name (not --from-list)")
     options = dict(system=system, framing=framing, chunk_size=chunk_size, force=force, kv_bits=kv_bits, after=after,
                    compression=compression)
+    if window is not None:  # the warm server's prefill takes no window: this one runs in-process
+        options["window"], server = window, False
     load = dict(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, weights=weights)
     if from_list is not None or is_url(output) or any(is_url(d) for d in docs):
         return _prefill_corpus(out, docs, from_list, shard, output, load, options, encoding=encoding, json_out=json_out)

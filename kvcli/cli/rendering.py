@@ -51,6 +51,20 @@ def message(out: Output, ev: dict[str, Any]) -> None:
         out.error(ev["message"], ev.get("hint"))
 
 
+def sources_line(a: dict[str, Any]) -> str:
+    """The one line citing the sections an answer of a sectioned cache used: lines, pages, headings, share."""
+    cited = []
+    for s in a["sources"]:
+        where = f"lines {s['start_line']}-{s['end_line']}"
+        if s.get("pages"):
+            where += f", page{'s' if len(s['pages']) > 1 else ''} {', '.join(map(str, s['pages']))}"
+        if s.get("headings"):
+            where += f", \"{s['headings'][-1]}\""
+        cited.append(where)
+    share = a.get("document_share")
+    return f"[sources: {'; '.join(cited)}" + (f" ({share:.0%} of the document)]" if share is not None else "]")
+
+
 class AskRenderer:
     """Renders one ask's events: answers on stdout (plain, NUL-ended or JSON lines), the rest on stderr.
 
@@ -117,6 +131,8 @@ class AskRenderer:
             if self.json_out:
                 out.json_line(self._record(a))
             else:
+                if a.get("sources"):
+                    out.write("\n" + sources_line(a))
                 out.write("\0" if self.null else "\n")
             if a.get("finish_reason") == "length" and not self.json_out:  # one line: the cut, and the timing on a terminal
                 note = cut_note(a, self._label(ev["index"], a.get("question", "")) if self.multiple else None, self.max_new_tokens)

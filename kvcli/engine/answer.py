@@ -47,6 +47,10 @@ class Session:
             self.path = opened[0].path
             self.manifest = opened[0].manifest
             for o in opened:
+                if o.manifest.sections is not None:
+                    raise UsageError(f"{o.path}: a sectioned cache (a document longer than the window) makes a prompt per "
+                                     "question and cannot be blended; open it with ModelPool.session or sections.SectionedSession")
+            for o in opened:
                 fit.check_fits(o.manifest, lm, str(o.path), convert_dtype=convert_dtype)
             if blend is None:
                 # the document (rows decoded one at a time grow it, then rewind)
@@ -60,16 +64,30 @@ class Session:
                 made = bl.compose(lm, opened, blend)
                 self.cache, self._token_ids, self.framing, self.storage = made.cache, made.token_ids, made.framing, made.storage
                 self.blended = made.record()
-        self.warnings = []
-        for o in opened:
-            self.warnings += (_version_warnings(o.manifest, o.path) + _provenance_warnings(o.manifest, lm, o.path)
-                              + _dtype_warnings(o.manifest, lm, o.path))
+        self.warnings = [w for o in opened for w in cache_warnings(o.manifest, lm, o.path)]
         if self.blended is not None:
             self.warnings.append(f"{' + '.join(str(o.path) for o in opened)}: {len(opened)} caches blended into one prompt, "
                                  f"{self.blended['recompute']:g} of each later document recomputed: answers are approximate "
                                  "(--check measures them against a full recompute)")
+        self._ready(t0)
+
+    @classmethod
+    def composed(cls, lm: LoadedModel, path: Path, manifest, made, *, blended: dict, warnings: Sequence[str] = (),
+                 started: float | None = None) -> "Session":
+        """A Session over a prompt composed elsewhere (engine/sections/compose.py: chosen sections of a sectioned
+        cache): made.cache, made.token_ids, made.framing; `blended` says how it is approximate. started: when the
+        composing began (its time is the first question's, as a restore's is)."""
+        self = cls.__new__(cls)
+        self.lm, self.path, self.manifest = lm, path, manifest
+        self.cache, self._token_ids, self.framing, self.storage = made.cache, made.token_ids, made.framing, manifest.storage
+        self.blended, self.warnings = blended, list(warnings)
+        self._ready(time.perf_counter() if started is None else started)
+        return self
+
+    def _ready(self, t0: float) -> None:
         from .scheduling.scheduler import engine_for
 
+        lm = self.lm
         engine_for(lm).batched  # noqa: B018  decided now (the probe, once per model), not inside the first question
         self.load_s = time.perf_counter() - t0
         self._unreported_load = self.load_s
@@ -144,6 +162,11 @@ class Session:
                            prompts=prompts).result(on_text, on_answer)
 
 
+def cache_warnings(manifest, lm: LoadedModel, path: Path) -> list[str]:
+    """What a cache's answers may differ by: another transformers release, torch build or dtype."""
+    return _version_warnings(manifest, path) + _provenance_warnings(manifest, lm, path) + _dtype_warnings(manifest, lm, path)
+
+
 def _version_warnings(manifest, path: Path) -> list[str]:
     """A cache from another transformers release may hold keys/values computed by other model code."""
     import transformers
@@ -189,10 +212,11 @@ class ModelPool:
         self._loaded: dict[str, LoadedModel] = {}
 
     def session(self, path: str | os.PathLike | Sequence[str | os.PathLike], *, where: str | None = None,
-                convert_dtype: bool = False, blend: float | None = None) -> Session:
+                convert_dtype: bool = False, blend: float | None = None, sections=None):
         """The Session for one request's cache: its manifest read and checked against the request once (a
         refusal loads nothing), the model it needs loaded, its shards opened once and restored. where: the
-        cache as messages name it. blend: several paths blended into one prompt (Session)."""
+        cache as messages name it. blend: several paths blended into one prompt (Session). A sectioned cache gives a
+        SectionedSession (engine/sections/session.py), its sections chosen per question as `sections` says."""
         from contextlib import ExitStack
 
         paths = list(path) if isinstance(path, (list, tuple)) else [path]
@@ -202,6 +226,13 @@ class ModelPool:
                 fit.check_request(o.manifest, (where if len(paths) == 1 else None) or str(p), dtype=self.dtype,
                                   convert_dtype=convert_dtype)
             lm = self.for_manifest(opened[0].manifest)
+            if blend is None and opened[0].manifest.sections is not None:
+                from .sections.session import SectionedSession
+
+                session = SectionedSession(lm, opened[0], sections, session=Session, convert_dtype=convert_dtype,
+                                           warnings=cache_warnings(opened[0].manifest, lm, opened[0].path))
+                held.pop_all()  # the session holds the cache open: its sections are read per question
+                return session
             return Session(lm, opened if blend is not None else opened[0], convert_dtype=convert_dtype, blend=blend)
 
     def fits(self, manifest, where: str, *, convert_dtype: bool = False) -> None:

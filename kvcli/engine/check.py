@@ -60,7 +60,9 @@ class Check:
         if self.storage != "lossless" or self.weights != "float" or self.blended:  # approximate: the agreement is the news
             same = self.tokens - len(self.divergences)
             where = "" if self.identical else f", first differs at answer token {self.first_divergence}"
-            what = (f"{self.blended['documents']} caches blended ({self.blended['recompute']:g} recomputed"
+            what = (f"{len(self.blended['sections'])} of {self.blended['of']} sections composed ({self.blended['recompute']:g} "
+                    "recomputed, against recomputing the same sections' text" if self.blended and "sections" in self.blended
+                    else f"{self.blended['documents']} caches blended ({self.blended['recompute']:g} recomputed"
                     + (f", {self.storage} storage" if self.storage != "lossless" else "") if self.blended
                     else f"{self.storage} cache (lossy" if self.storage != "lossless"
                     else f"{self.weights} weights (bfloat16 activations make the cut between cache and question visible")

@@ -61,7 +61,9 @@ class LocalTarget:
             return None
 
     def write(self, lm: LoadedModel, document: Document, *, force: bool, **options: Any) -> pf.PrefillResult:
-        return pf.prefill(lm, document, self.path, force=force, **options)
+        from .sections import build  # a document longer than the window: a sectioned cache
+
+        return build.prefill(lm, document, self.path, force=force, **options)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class DocResult:
     extended_from: int | None = None  # "extended": the tokens of the cache of the shorter document it replaced
     base: str | None = None  # the cache it extends (prefill --after), as given
     format: str | None = None  # the document's format ("text", "pdf", "html", "docx", "epub"); None if it was not read
+    sections: int | None = None  # a document longer than the window: the sections its cache holds
     index: int = field(default=0, compare=False)  # the job's place in the run (not in the record)
     exc: BaseException | None = field(default=None, compare=False, repr=False)  # a failure, for a caller that raises it
 
@@ -101,7 +104,7 @@ class DocResult:
                 "compute_s": round(self.compute_s, 4), "write_s": round(self.write_s, 4), "bytes_raw": self.bytes_raw,
                 "bytes_on_disk": self.bytes_on_disk, "storage": self.storage, "seconds": round(self.seconds, 3),
                 "computed_tokens": self.computed_tokens, "extended_from": self.extended_from, "base": self.base,
-                "error": self.error, "format": self.format, "served": served}
+                "error": self.error, "format": self.format, "sections": self.sections, "served": served}
 
 
 AFTER = " --after "  # a list line `DOC --after CACHE`: the document's cache extends CACHE
@@ -227,6 +230,7 @@ def run(
     kv_bits: int | None = None,
     after: str | None = None,
     compression: str | None = None,
+    window: int | None = None,
     fit: Callable[[], Callable[[Document], Any]] | None = None,
     upfront: bool = False,
     progress: Callable[[int, int, int], None] | None = None,
@@ -246,7 +250,7 @@ def run(
     jobs = list(jobs)
     options = dict(system=system, framing=framing, chunk_size=chunk_size or pf.DEFAULT_CHUNK, kv_bits=kv_bits, after=after,
                    compression=compression,
-                   extend=not force)
+                   extend=not force, window=window)
     opener = model if callable(model) and not isinstance(model, LoadedModel) else (lambda: nullcontext(lent(model)))
     with ExitStack() as stack:
         held: list[Any] = []
@@ -367,7 +371,7 @@ def _done(job: Job, index: int, status: str, m: mf.Manifest, t0: float, r: pf.Pr
           after: str | None = None) -> DocResult:
     """The record of a cache built (r: how) or skipped; bytes are the link's own for a cache that extends another."""
     return DocResult(job.document, job.target.name, "extended" if r is not None and r.grown_from is not None else status,
-                     m.num_tokens, r.compute_s if r else 0.0, r.write_s if r else 0.0, m.bytes_raw, m.bytes_stored, m.storage,
+                     m.document_tokens, r.compute_s if r else 0.0, r.write_s if r else 0.0, m.bytes_raw, m.bytes_stored, m.storage,
                      time.perf_counter() - t0, computed_tokens=r.computed if r else None,
                      extended_from=r.grown_from if r else None, base=after if m.base else None, index=index,
-                     format=m.document.get("format", "text"))
+                     format=m.document.get("format", "text"), sections=len(m.sections.parts) if m.sections else None)

@@ -88,9 +88,16 @@ class Counter:
         the document's ids and framing (fr.split_document), which prefill caches without tokenizing it again."""
         split = fr.split_document(self.tokenizer, self.framing, document.text)
         exc = too_long(document.name, len(split[0]), self.max_positions)
-        if exc is not None:
+        if exc is not None and not self.sectioned():
             raise exc
         return split
+
+    def sectioned(self) -> bool:
+        """Whether a document longer than the window becomes a sectioned cache with this model (its keys move by one
+        rotation: engine/cache/blend.py; checked again on the loaded model)."""
+        from .cache.blend import SUPPORTED_TYPES
+
+        return getattr(self.config, "model_type", None) in SUPPORTED_TYPES and all(k == "full" for k, _w in self.plan)
 
     def count(self, document: Document) -> Count:
         n = self.tokens(document)

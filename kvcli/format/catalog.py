@@ -22,7 +22,7 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "model": m.model_name,
         "model_source": source,
         "model_type": m.model.get("model_type"),
-        "num_tokens": m.num_tokens,
+        "num_tokens": m.document_tokens,  # a sectioned cache: the whole document's (head, sections, separators)
         "num_layers": len(m.layers),
         "dtype": m.dtype,
         "weights": m.weights,  # "q8", "q4", "gguf": computed with quantized weights (engine/model/stored.py)
@@ -39,7 +39,16 @@ def summary(path: Path, m: Manifest) -> dict[str, Any]:
         "transformers_version": m.transformers_version,
         "provenance": m.provenance,  # None for caches written before it was recorded
         "base": _base(path, m),  # the cache it extends (prefill --after), or None
+        "sections": section_rows(m),  # a document longer than the window: its sections, or None
     }
+
+
+def section_rows(m: Manifest) -> list[dict[str, Any]] | None:
+    """A sectioned cache's sections: lines, pages, headings, tokens and bytes on disk (None for any other cache)."""
+    if m.sections is None:
+        return None
+    return [{**p.source(), "tokens": p.num_tokens, "bytes_on_disk": sum(e.stored_bytes for e in p.layers)}
+            for p in m.sections.parts]
 
 
 def _base(path: Path, m: Manifest) -> dict[str, Any] | None:

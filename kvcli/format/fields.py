@@ -86,3 +86,16 @@ def document_record(document: dict, where: str) -> None:
     int_field(document, "document.sections", where, 0, 1 << 40, optional=True)
     if str_field(document, "document.page_numbers", where, optional=True) not in (None, "printed", "position"):
         raise bad(where, "document.page_numbers must be \"printed\" or \"position\"")
+
+
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+SOURCE_FIELDS = {"default": ("path", "sha256"), "gguf": ("path", "sha256"), "folder": ("path",), "hub": ("id",), "object": ()}
+
+
+def model_source(source: dict, where: str) -> None:
+    """Where the model came from: `ask` without --model loads it again, so every field it reads is checked."""
+    kind = str_field(source, "model.source.kind", where)
+    str_field(source, "model.source.name", where, optional=True)
+    for key in SOURCE_FIELDS.get(kind, ()):
+        str_field(source, f"model.source.{key}", where, pattern=SHA256 if key == "sha256" else None)
+    str_field(source, "model.source.revision", where, optional=True)

@@ -21,6 +21,7 @@ from .store import TMP_MARK
 from .writing import hidden_sibling, is_leftover, remove_if_stale
 
 _SHARD = re.compile(r"layer_\d{3}\.safetensors\.zst")
+_SECTION = re.compile(r"s\d{4,5}")  # a sectioned cache's section folder (format/sections.py), holding shards only
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ def not_a_cache(path: Path, *, damaged: bool = False) -> str | None:
     why = damaged_manifest(path)
     if why is not None and not (damaged and _unreadable_beside_shards(path)):
         return why
-    others = sorted(e.name for e in path.iterdir()
-                    if e.name != mf.MANIFEST_NAME and not (_SHARD.fullmatch(e.name) and e.is_file() and not e.is_symlink()))
+    others = sorted(e.name for e in path.iterdir() if e.name != mf.MANIFEST_NAME and not _part(e)
+                    and not (_SECTION.fullmatch(e.name) and e.is_dir() and not e.is_symlink() and all(_part(f) for f in e.iterdir())))
     if others:
         return f"holds files that are not part of a kvcli cache ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''})"
     return None
@@ -74,6 +75,11 @@ def damaged_manifest(path: Path) -> str | None:
     if not isinstance(body, dict) or body.get("format") != mf.FORMAT_NAME:
         return f"is not a kvcli cache ({mf.MANIFEST_NAME} is not a kvcli manifest)"
     return None
+
+
+def _part(entry: Path) -> bool:
+    """A layer shard: a plain file of a shard's name."""
+    return bool(_SHARD.fullmatch(entry.name)) and entry.is_file() and not entry.is_symlink()
 
 
 def size_of(path: Path) -> int:

@@ -13,18 +13,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import CacheVersionError, UsageError
-from . import chain, payload
+from . import chain, payload, sections as sec
 from .dtypes import ITEM_SIZES
-from .fields import MAX_DIM, bad, document_record, get_field, int_field, numel, shape_field, str_field
+from .fields import MAX_DIM, bad, document_record, get_field, int_field, model_source as _source, numel, shape_field, str_field
 
 FORMAT_NAME = "kvcli-cache"
 FORMAT_VERSION = 3  # what kvcli writes: shards hashed with BLAKE3, lossless or quantized (compression.quant)
 LOSSLESS_SHA256_VERSION = 1  # older caches, still read: lossless, shards hashed with sha256
 QUANT_SHA256_VERSION = 2  # older 8-/4-bit caches (a kvcli that reads only 1 says "version 2 not supported")
-SUPPORTED_VERSIONS = (LOSSLESS_SHA256_VERSION, QUANT_SHA256_VERSION, FORMAT_VERSION)
+SECTIONED_VERSION = sec.SECTIONED_VERSION  # a document longer than the window: sections read one by one (format/sections.py)
+SUPPORTED_VERSIONS = (LOSSLESS_SHA256_VERSION, QUANT_SHA256_VERSION, FORMAT_VERSION, SECTIONED_VERSION)
 # The hash of every shard's stored bytes, by format version; a layer entry names it as its digest's key. BLAKE3 hashes
 # about twice as fast as sha256 with SHA extensions, and restore hashes every byte it reads (docs/performance.md).
-SHARD_HASHES = {LOSSLESS_SHA256_VERSION: "sha256", QUANT_SHA256_VERSION: "sha256", FORMAT_VERSION: "blake3"}
+SHARD_HASHES = {LOSSLESS_SHA256_VERSION: "sha256", QUANT_SHA256_VERSION: "sha256", FORMAT_VERSION: "blake3", SECTIONED_VERSION: "blake3"}
 KV_BITS = (8, 4)
 FRAMING_VERSION = 1  # recorded when the cut is at the document's end (no anchor, nothing pending)
 FRAMING_VERSION_CUT = 2  # recorded when the cache holds anchor / pending text (engine/prompt/framing.py)
@@ -45,13 +46,12 @@ MAX_KV_HEADS = 4096
 MAX_HEAD_DIM = 8192
 MAX_TOKENS = 1 << 24
 _TOP_KEYS = {"format", "format_version", "manifest_sha256", "kvcli_version", "transformers_version", "created",
-             "model", "framing", "document", "token_ids", "compression", "layers", "provenance", "base"}
+             "model", "framing", "document", "token_ids", "compression", "layers", "provenance", "base", "sections"}
 # What computed the keys/values (optional: caches written before 0.1 provenance lack it). Other kernels
 # give logits that differ in the last bits, which can flip a greedy token where the top two nearly tie.
 PROVENANCE_KEYS = ("torch_version", "device_type", "attn_implementation")
 _LAYER_KEYS = {"index", "kind", "cached_length", "seq_length", "sliding_window", "file", "key_shape", "value_shape",
                "raw_bytes", "decoded_bytes", "stored_bytes"}  # plus the digest, keyed by the version's shard hash
-_SOURCE_FIELDS = {"default": ("path", "sha256"), "gguf": ("path", "sha256"), "folder": ("path",), "hub": ("id",), "object": ()}
 
 
 def check_kv_bits(bits: object, name: str = "--kv-bits") -> int | None:
@@ -103,6 +103,7 @@ class Manifest:
     layers: list[LayerEntry] = field(default_factory=list)
     provenance: dict[str, str] | None = None  # torch_version, device_type, attn_implementation
     base: dict[str, Any] | None = None  # the cache this one extends: manifest_sha256, path, num_tokens (chain.py)
+    sections: sec.Sections | None = None  # format 4: the document's sections; token_ids and layers are then the head's
 
     @property
     def num_tokens(self) -> int:
@@ -152,19 +153,26 @@ class Manifest:
         return f"{self.quant['bits']}-bit" if self.quant else "lossless"
 
     @property
+    def document_tokens(self) -> int:
+        """The framed document's tokens: the cache's, or every section's of a sectioned cache (with the head)."""
+        return self.sections.document_tokens if self.sections is not None else self.num_tokens
+
+    @property
     def bytes_raw(self) -> int:
-        return sum(layer.raw_bytes for layer in self.layers)
+        return sum(layer.raw_bytes for layer in self.layers + (self.sections.layers if self.sections else []))
 
     @property
     def bytes_stored(self) -> int:
-        return sum(layer.stored_bytes for layer in self.layers)
+        return sum(layer.stored_bytes for layer in self.layers + (self.sections.layers if self.sections else []))
 
     def to_json(self) -> dict[str, Any]:
         body = {"format": FORMAT_NAME, **asdict(self)}
-        for key in ("provenance", "base"):
+        for key in ("provenance", "base", "sections"):
             if body[key] is None:
                 del body[key]  # an older manifest re-serialised keeps its checksum
         body["layers"] = [layer.to_json(self.shard_hash) for layer in self.layers]
+        if self.sections is not None:
+            body["sections"] = self.sections.to_json(self.shard_hash)
         body["manifest_sha256"] = checksum(body)
         return body
 
@@ -246,7 +254,7 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
         raise bad(where, "unknown compression")
     int_field(compression, "compression.level", where, -(1 << 17), 22, optional=True)
     quant = compression.get("quant")
-    if version != FORMAT_VERSION and (quant is not None) != (version == QUANT_SHA256_VERSION):
+    if version in (LOSSLESS_SHA256_VERSION, QUANT_SHA256_VERSION) and (quant is not None) != (version == QUANT_SHA256_VERSION):
         raise bad(where, f"format version {version} {'needs' if quant is None else 'has no'} a compression.quant block")
     if quant is not None:
         _quant(quant, compression, where)
@@ -262,6 +270,7 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
     layers = [_layer(entry, i, len(token_ids), base["num_tokens"] if base else 0, model, where, quant, SHARD_HASHES[version])
               for i, entry in enumerate(layers_raw)]
     provenance = _provenance(body, where)
+    sections = sec.check(body, version, model, len(token_ids), quant, SHARD_HASHES[version], where, _layer)
     return Manifest(
         format_version=version,
         kvcli_version=body["kvcli_version"],
@@ -275,6 +284,7 @@ def _validate(body: dict, version: int, where: str) -> Manifest:
         layers=layers,
         provenance=provenance,
         base=base,
+        sections=sections,
     )
 
 
@@ -305,15 +315,6 @@ def _provenance(body: dict, where: str) -> dict[str, str] | None:
     for key in PROVENANCE_KEYS:
         str_field(prov, f"provenance.{key}", where, optional=True)
     return dict(prov)
-
-
-def _source(source: dict, where: str) -> None:
-    """Where the model came from: `ask` without --model loads it again, so every field it reads is checked."""
-    kind = str_field(source, "model.source.kind", where)
-    str_field(source, "model.source.name", where, optional=True)
-    for key in _SOURCE_FIELDS.get(kind, ()):
-        str_field(source, f"model.source.{key}", where, pattern=_SHA256 if key == "sha256" else None)
-    str_field(source, "model.source.revision", where, optional=True)
 
 
 def _quant(quant: Any, compression: dict, where: str) -> None:

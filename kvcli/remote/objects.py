@@ -173,14 +173,14 @@ class RemoteTarget:
         return m
 
     def write(self, lm: Any, document: Document, *, force: bool, **options: Any):
-        from ..engine import prefilling
+        from ..engine.sections import build
 
         check_writable(self.url)
         if options.get("after") is not None:
             raise UsageError(f"{self.url}: a cache that extends another (--after) is written to a local folder, "
                              "beside its base; upload the chain's folders together")
         with tempfile.TemporaryDirectory(prefix="kvcli-upload-") as tmp:
-            r = prefilling.prefill(lm, document, Path(tmp) / "cache.kv", **options)
+            r = build.prefill(lm, document, Path(tmp) / "cache.kv", **options)
             upload(r.path, self.url, force=force)
         return r
 

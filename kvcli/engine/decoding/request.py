@@ -28,6 +28,8 @@ class Answer:
     history: list[dict[str, str]] = field(default_factory=list)  # earlier {question, answer} turns, oldest first
     blended: dict[str, Any] | None = None  # from a blend of several caches (approximate): documents, recompute, ...
     decoding: str = ""  # how the model's engine ran it: "batched" (rows share forward passes) or "one at a time"
+    sources: list[dict[str, Any]] | None = None  # a sectioned cache: the sections used (engine/sections/session.py)
+    document_share: float | None = None  # ... and the share of the document's tokens they hold
 
     def to_json(self) -> dict[str, Any]:
         """JSON of the answer; `check` appears only when measured, `history` only for a follow-up (so one
@@ -41,6 +43,9 @@ class Answer:
             del body["history"]
         if self.blended is None:
             del body["blended"]
+        for key in ("sources", "document_share"):
+            if body[key] is None:
+                del body[key]
         return body
 
 

@@ -1,0 +1,119 @@
+"""Chosen sections of a sectioned cache composed into one prompt: the framing head, then the sections in document
+order joined by the separator, as one document.
+
+The head is restored as stored (exact). Each section's stored keys sit at the positions it was computed at (after
+its primer); they are moved to their place in the prompt by one rotary rotation (engine/cache/blend.py). As a
+blend does, each section's glue and first ceil(f * n) tokens are recomputed so that they see the sections chosen
+before it (the first section of the document, directly after the head, is exact as stored and is not). All the
+recomputed tokens of all sections run in one forward pass at their true positions: the moved keys are put in the
+cache first, and a mask lets each recomputed token see exactly the tokens before it in the prompt (the cache's
+order of slots is not the prompt's; attention depends only on positions and the mask).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import CacheCorruptError, PromptTooLongError
+from ..prompt import framing as fr
+
+
+@dataclass
+class Composed:
+    cache: Any  # KVCache holding the composed prompt (mark = its length)
+    token_ids: list[int]  # the prompt's ids in order
+    framing: fr.Framing  # the last section's: questions follow it
+    chosen: list[int]
+    recompute: float
+    recomputed_tokens: int
+    moved_tokens: int
+    starts: list[int] = field(default_factory=list)  # where each chosen section's ids start in token_ids
+
+
+def part_framing(manifest: Any, part: Any) -> fr.Framing:
+    """The framing a question follows when `part` comes last (its own cut)."""
+    cut = part.framing
+    return fr.Framing(kind=manifest.framing["kind"], system=manifest.framing.get("system"), anchor=cut.get("anchor", ""),
+                      anchor_tokens=int(cut.get("anchor_tokens", 0)), pending=cut.get("pending", ""))
+
+
+def prompt_ids(lm: Any, manifest: Any, chosen: list[int]) -> tuple[list[int], list[tuple[Any, list[int], int]]]:
+    """The composed prompt's ids, and per chosen section (part, glue ids, where its ids start)."""
+    from ..cache import blend as bl
+
+    parts = manifest.sections.parts
+    ids = list(manifest.token_ids)
+    plans, prev = [], None
+    for i in sorted(chosen):
+        p = parts[i]
+        glue = [] if prev is None else bl._glue(lm.tokenizer, part_framing(manifest, prev), ids, f"section {prev.index}")
+        plans.append((p, glue, len(ids) + len(glue)))
+        ids += glue + p.token_ids
+        prev = p
+    return ids, plans
+
+
+def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: int | None = None) -> Composed:
+    """The composed cache of the chosen sections of the sectioned cache `opened` (format.store.OpenedCache, checked
+    against lm), only those sections' shards read."""
+    import torch
+
+    from ...format import sections as sec, store
+    from ..cache import blend as bl
+    from ..cache.restore import ROOM_TOKENS, load_cache, load_states
+    from ..prefilling import DEFAULT_CHUNK
+    from ..scheduling.scheduler import engine_for
+
+    recompute = bl.check_fraction(recompute)
+    bl.check_supported(lm)
+    m = opened.manifest
+    head = len(m.token_ids)
+    ids, plans = prompt_ids(lm, m, chosen)
+    limit = getattr(lm, "max_positions", None)
+    if limit and len(ids) >= limit:
+        raise PromptTooLongError(f"{PromptTooLongError.LEAD}the {len(plans)} sections chosen need {len(ids)} of the "
+                                 f"model's {limit} positions")
+    extra = ROOM_TOKENS if room is None else room
+    cache = load_cache(opened, device=lm.device, dtype=lm.dtype, room=len(ids) - head + extra)
+    slots = list(range(head))  # the prompt position of each cache slot
+    run_ids: list[int] = []
+    run_pos: list[int] = []
+    moved = 0
+    with torch.inference_mode():
+        for p, glue, start in plans:
+            n = p.num_tokens
+            exact = start == head and p.position == head  # the document's first section, right after the head
+            r = 0 if exact else min(n, math.ceil(recompute * n))
+            run_ids += glue + p.token_ids[:r]
+            run_pos += list(range(start - len(glue), start + r))
+            if r < n:
+                with store.open_part(opened.path, m, p.index) as part:
+                    try:
+                        states = load_states(part, device=lm.device, dtype=lm.dtype, room=0)
+                    except CacheCorruptError as exc:
+                        raise sec.named(p, exc) from None
+                cos, sin = bl.rotation(lm, start - p.position)
+                for layer, s in zip(cache.layers, states):
+                    layer.update(bl.move_keys(s.keys[:, :, r:], cos, sin), s.values[:, :, r:])
+                slots += range(start + r, start + n)
+                moved += n - r
+                del states
+        engine = engine_for(lm)
+        for at in range(0, len(run_ids), DEFAULT_CHUNK):
+            q_pos = torch.tensor(run_pos[at : at + DEFAULT_CHUNK], device=lm.device)  # [q]
+            k_pos = torch.cat([torch.tensor(slots, device=lm.device), q_pos])  # [slots + q]
+            mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q, slots + q]: each token sees what precedes it
+            with engine.turn():
+                lm.model(input_ids=torch.tensor([run_ids[at : at + DEFAULT_CHUNK]], device=lm.device),
+                         position_ids=q_pos[None], attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+            slots += run_pos[at : at + DEFAULT_CHUNK]
+    for layer in cache.layers:
+        layer.mark = layer.offset  # the composed prompt is the document now: questions rewind to its end
+    cache.rewind()
+    if cache.get_seq_length() != len(ids) or sorted(slots) != list(range(len(ids))):
+        raise RuntimeError(f"the composed cache holds {cache.get_seq_length()} tokens, its prompt {len(ids)}")
+    return Composed(cache=cache, token_ids=ids, framing=part_framing(m, plans[-1][0]), chosen=[p.index for p, _g, _s in plans],
+                    recompute=recompute, recomputed_tokens=len(run_ids), moved_tokens=moved,
+                    starts=[s for _p, _g, s in plans])

@@ -1,0 +1,197 @@
+"""Sectioned caches (engine/sections): documents 3-8x the window, questions with known answers.
+
+Three licence texts as Debian installs them (/usr/share/common-licenses: GPL-3, LGPL-2.1, MPL-2.0; public texts),
+each prefilled with the default model at `--window` (1,024 by default) as a sectioned cache and, for comparison, as
+one plain cache of the same tokens (the model's own 8,192 positions hold each). Per question (22, spread through
+the documents, each with the phrase that holds its answer and a pattern a right answer matches):
+
+- recall: whether the section holding the phrase is among those the question's selection used;
+- answers right (greedy, --new tokens) from the sectioned cache, from recomputing the same selected text without any
+  cache (the reference a sectioned answer approximates), and from the document truncated to the window;
+- time to first token from the sectioned cache (select, compose with the recompute share, the question's forward)
+  against recomputing the selected text (one forward over the composed prompt and the question), at shares 0 and
+  --recompute, measured alternately;
+- prefill time (the model's forward passes) and disk per token against the plain cache of the same document.
+
+Not part of the test run. Usage: python tests/bench/bench_sections.py [--window 1024] [--recompute 0.15] [--new 32]
+[--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import kvcli
+from kvcli.documents import decode
+from kvcli.engine import prefilling as pf
+from kvcli.engine.prompt import framing as fr
+from kvcli.engine.sections import build, compose as cp, select
+from kvcli.format import store
+
+LICENSES = Path("/usr/share/common-licenses")
+# (document, question, phrase holding the answer, pattern of a right answer)
+QUESTIONS = [
+    ("GPL-3", "Which version of the GNU General Public License does \"This License\" refer to?",
+     "refers to version 3 of the GNU General Public License", r"\b3\b|three"),
+    ("GPL-3", "What is the work that results from modifying a program called?", "The resulting work is called a \"modified version\"",
+     r"modified version"),
+    ("GPL-3", "For how long must a written offer to provide the Corresponding Source remain valid?",
+     "valid for at least three years", r"three years|3 years"),
+    ("GPL-3", "By what kind of transmission may you convey the object code, if you tell other peers where the source is?",
+     "Convey the object code using peer-to-peer transmission", r"peer[- ]to[- ]peer"),
+    ("GPL-3", "What is a \"User Product\"?", "A \"User Product\" is either", r"consumer product"),
+    ("GPL-3", "What are \"Additional permissions\"?", "\"Additional permissions\" are terms that supplement", r"supplement"),
+    ("GPL-3", "If you stop violating the License, how many days does the copyright holder have to notify you before "
+     "your license is reinstated permanently?", "prior to 60 days after the cessation", r"\b60\b|sixty"),
+    ("GPL-3", "After the copyright holder notifies you of a violation, within how many days must you cure it?",
+     "cure the violation prior to 30 days after", r"\b30\b|thirty"),
+    ("GPL-3", "Which version of the GNU Affero General Public License may a covered work be combined with?",
+     "under version 3 of the GNU Affero General Public License", r"\b3\b|three"),
+    ("GPL-3", "Who may publish revised and new versions of the GNU General Public License?",
+     "The Free Software Foundation may publish revised", r"Free Software Foundation|FSF"),
+    ("LGPL-2.1", "This is the first released version of the Lesser GPL; which library license does it also count as "
+     "the successor of?", "This is the first released version of the Lesser GPL", r"Library General Public License|version 2"),
+    ("LGPL-2.1", "Why is this license called the \"Lesser\" General Public License?", "We call this license the \"Lesser\"",
+     r"\bless\b"),
+    ("LGPL-2.1", "What is a program that is designed to work with the Library by being linked with it called?",
+     "is called a \"work that uses the Library\"", r"work that uses the Library"),
+    ("LGPL-2.1", "Which Section states the terms for distributing executables linked with the Library?",
+     "Section 6 states terms for distribution", r"\b6\b|six"),
+    ("LGPL-2.1", "How long may inline functions be, in lines, for the use of the object file to be unrestricted?",
+     "ten lines or less in length", r"\b10\b|ten"),
+    ("LGPL-2.1", "For how long must a written offer to give the user the materials remain valid?",
+     "least three years, to give the same user the materials", r"three years|3 years"),
+    ("MPL-2.0", "What does \"Executable Form\" mean?", "means any form of the work other than Source Code Form",
+     r"other than Source Code"),
+    ("MPL-2.0", "What is a \"Larger Work\"?", "means a work that combines Covered Software with other material",
+     r"combines Covered Software"),
+    ("MPL-2.0", "Once you become compliant, how many days after a Contributor's notice are your rights reinstated?",
+     "You become compliant prior to 30 days after", r"\b30\b|thirty"),
+    ("MPL-2.0", "In which courts may litigation relating to this License be brought?",
+     "courts of a jurisdiction where the defendant maintains its principal", r"defendant|principal place of business"),
+    ("MPL-2.0", "Who is the license steward of the Mozilla Public License?", "Mozilla Foundation is the license steward",
+     r"Mozilla Foundation"),
+    ("MPL-2.0", "What is Exhibit A of the License?", "Exhibit A - Source Code Form License Notice", r"License Notice|notice"),
+]
+
+
+def squeeze(text: str) -> str:
+    return " ".join(text.split())
+
+
+def greedy(lm, ids: list[int], new: int) -> str:
+    """The model's greedy answer to a prompt recomputed whole (no cache)."""
+    with torch.inference_mode():
+        out = lm.model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                max_new_tokens=new, do_sample=False, pad_token_id=lm.tokenizer.eos_token_id)
+    return lm.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def first_token_recomputed(lm, ids: list[int]) -> float:
+    """Seconds for one forward over the whole prompt (document text and question) to the first token's logits."""
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        lm.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits.argmax(-1)
+    return time.perf_counter() - t0
+
+
+def first_token_sectioned(lm, opened, chosen: list[int], share: float, question: str) -> tuple[float, list[int]]:
+    """Seconds to compose the chosen sections (restore, move, recompute the share) and run the question to its first
+    token's logits; the composed prompt's ids with the question."""
+    t0 = time.perf_counter()
+    made = cp.compose(lm, opened, chosen, share)
+    q = fr.question_ids(lm.tokenizer, made.framing, question, made.token_ids)
+    n = len(made.token_ids)
+    with torch.inference_mode():
+        lm.model(input_ids=torch.tensor([q]), position_ids=torch.arange(n, n + len(q))[None], cache=made.cache,
+                 use_cache=True, logits_to_keep=1).logits.argmax(-1)
+    return time.perf_counter() - t0, made.token_ids + q
+
+
+def truncated_prompt(lm, text: str, window: int, question: str) -> list[int]:
+    """The document cut to the window (its first tokens, the question and answer's room kept), then the question."""
+    framing = fr.choose(lm.tokenizer)
+    ids, _cut = fr.split_document(lm.tokenizer, framing, text)
+    q = fr.question_ids(lm.tokenizer, framing, question)
+    return ids[: window - pf.ANSWER_ROOM - len(q)] + q
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--recompute", type=float, default=0.15)
+    ap.add_argument("--new", type=int, default=32, help="answer tokens")
+    ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    args = ap.parse_args()
+    lm = kvcli.load()
+    torch.manual_seed(0)
+    rows, docs = [], {}
+    with tempfile.TemporaryDirectory(prefix="bench-sections-") as tmp:
+        for name in dict.fromkeys(d for d, *_ in QUESTIONS):
+            text = (LICENSES / name).read_text(encoding="utf-8")
+            doc = decode(text.encode(), name)
+            sec = build.prefill(lm, doc, Path(tmp) / f"{name}.kv", window=args.window)
+            plain = pf.prefill(lm, doc, Path(tmp) / f"{name}-plain.kv")
+            m = store.read_manifest(sec.path)
+            docs[name] = {"tokens": m.document_tokens, "window": args.window, "sections": len(m.sections.parts),
+                          "times_window": round(m.document_tokens / args.window, 1),
+                          "prefill_s": round(sec.compute_s, 2), "plain_prefill_s": round(plain.compute_s, 2),
+                          "prefill_ratio": round(sec.compute_s / plain.compute_s, 3),
+                          "disk_per_token": round(m.bytes_stored / m.document_tokens), "plain_disk_per_token":
+                          round(plain.manifest.bytes_stored / plain.manifest.num_tokens),
+                          "disk_ratio": round((m.bytes_stored / m.document_tokens) / (plain.manifest.bytes_stored / plain.manifest.num_tokens), 3),
+                          "path": sec.path, "text": text}
+            print(json.dumps({k: v for k, v in docs[name].items() if k not in ("path", "text")} | {"document": name}), flush=True)
+        for name, question, phrase, pattern in QUESTIONS:
+            d = docs[name]
+            with store.open_cache(d["path"]) as opened:
+                m = opened.manifest
+                parts = m.sections.parts
+                holder = next(p.index for p in parts if squeeze(phrase) in squeeze(p.text))
+                budget = min(m.sections.window, lm.max_positions) - len(m.token_ids) - pf.ANSWER_ROOM
+                choice = select.choose([p.num_tokens for p in parts], select.scores([p.text for p in parts], question), budget)
+                ttft = {}
+                for share in (0.0, args.recompute):  # alternately with the recompute, same warm model
+                    t, prompt = first_token_sectioned(lm, opened, choice.chosen, share, question)
+                    ttft[share] = t
+                ttft_recompute = first_token_recomputed(lm, prompt)
+                session = kvcli.Session.composed(lm, opened.path, m, cp.compose(lm, opened, choice.chosen, args.recompute),
+                                                 blended={"documents": len(choice.chosen), "recompute": args.recompute,
+                                                          "sections": choice.chosen, "of": len(parts)})
+                answer = session.ask(question, kvcli.GenerationOptions(max_new_tokens=args.new)).answer
+            recomputed = greedy(lm, prompt, args.new)
+            truncated = greedy(lm, truncated_prompt(lm, d["text"], args.window, question), args.new)
+            right = {k: bool(re.search(pattern, v, re.I)) for k, v in (("sectioned", answer), ("recompute", recomputed),
+                                                                     ("truncated", truncated))}
+            row = {"document": name, "question": question, "holder": holder, "chosen": choice.chosen,
+                   "recall": holder in choice.chosen, "right": right, "ttft_s": {str(k): round(v, 3) for k, v in ttft.items()},
+                   "ttft_recompute_s": round(ttft_recompute, 3), "prompt_tokens": len(prompt),
+                   "answers": {"sectioned": answer, "recompute": recomputed, "truncated": truncated}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    n = len(rows)
+    summary = {
+        "questions": n, "window": args.window, "recompute": args.recompute,
+        "recall": sum(r["recall"] for r in rows),
+        "right": {k: sum(r["right"][k] for r in rows) for k in ("sectioned", "recompute", "truncated")},
+        "ttft_ratio_median": {str(s): round(statistics.median(r["ttft_s"][str(s)] / r["ttft_recompute_s"] for r in rows), 3)
+                              for s in (0.0, args.recompute)},
+        "ttft_s_median": {str(s): round(statistics.median(r["ttft_s"][str(s)] for r in rows), 3) for s in (0.0, args.recompute)},
+        "ttft_recompute_s_median": round(statistics.median(r["ttft_recompute_s"] for r in rows), 3),
+        "documents": {k: {x: y for x, y in v.items() if x not in ("path", "text")} for k, v in docs.items()},
+    }
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
