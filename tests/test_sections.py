@@ -26,7 +26,7 @@ from kvcli.engine.prompt import framing as fr
 from kvcli.engine.sections import build, compose, cutting, select
 from kvcli.engine.sections.session import SectionedSession, Sections
 from kvcli.errors import CacheCorruptError, DocumentError, UsageError
-from kvcli.format import manifest as mf, store
+from kvcli.format import manifest as mf, parts, store
 from tests.conftest import sample_text
 from tests.helpers import assert_clean_error, json_lines, run
 from tests.test_architectures import build as build_model
@@ -124,7 +124,7 @@ def test_each_section_stores_its_keys_after_the_head_and_its_primer(tiny_lm, sec
     m = store.read_manifest(out)
     head = m.token_ids
     from kvcli.engine.cache.restore import load_states
-    from kvcli.format.store import open_part
+    from kvcli.format.parts import open_part
 
     for p in m.sections.parts[:3]:
         primer_len = p.position - len(head)
@@ -156,7 +156,7 @@ def test_a_grown_document_computes_only_its_new_sections(tiny_lm, here):
     for a, b in zip(old.sections.parts, kept):  # unchanged sections: the same shards, not recomputed
         assert [e.digest for e in a.layers] == [e.digest for e in b.layers]
     assert second.computed < first.computed
-    store.verify(out)
+    parts.verify(out)
 
 
 def test_refusals_at_prefill(tiny_lm, tokenizer, here):
@@ -207,7 +207,7 @@ def test_composed_ids_follow_the_rule(tiny_lm, sectioned):
 def _sequential(lm, opened, chosen, f):
     """The blend way: each section's glue and first tokens run forward after everything before, one by one."""
     from kvcli.engine.cache.restore import load_cache, load_states
-    from kvcli.format.store import open_part
+    from kvcli.format.parts import open_part
 
     m = opened.manifest
     ids, plans = compose.prompt_ids(lm, m, chosen)

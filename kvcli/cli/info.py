@@ -124,11 +124,11 @@ def verify(
 
 def _verify(path: str):
     """A local cache, or a remote one as it is in its store (never the local copy ask uses)."""
-    from ..format import store
+    from ..format import parts
     from ..remote import is_url
 
     if not is_url(path):
-        return store.verify(path)
+        return parts.verify(path)  # a sectioned cache's sections too
     from ..remote import objects
 
     return objects.verify(path)

@@ -7,7 +7,6 @@ old cache or the new one, complete, and never a mix.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import hashlib
 import os
@@ -318,25 +317,12 @@ def verify(path: str | os.PathLike, *, decode: bool = True, threads: int | None 
     when a shard is larger than PARALLEL_VERIFY_MAX): hashing and zstd release the GIL.
     """
     from concurrent.futures import ThreadPoolExecutor
-    from contextlib import ExitStack
 
-    from .sections import named
-
-    with open_cache(path) as top, ExitStack() as parts:
-        links = top.chain()
-        sections = top.manifest.sections.parts if top.manifest.sections is not None else []  # a sectioned cache's, in order
-        links += [parts.enter_context(open_part(path, top.manifest, p.index)) for p in sections]
-        parts_by_dir = {p.dir: p for p in sections}
-        work = [(cache, i) for cache in links for i in range(len(cache.manifest.layers))]  # every link's shards
+    with open_cache(path) as top:
+        work = [(cache, i) for cache in top.chain() for i in range(len(cache.manifest.layers))]  # every link's shards
 
         def one(cache: OpenedCache, i: int) -> None:
             m, entry = cache.manifest, cache.manifest.layers[i]
-            try:
-                check_one(cache, m, entry, i)
-            except CacheCorruptError as exc:  # a section's shard: named by its section
-                raise (exc if cache.path.name not in parts_by_dir else named(parts_by_dir[cache.path.name], exc)) from None
-
-        def check_one(cache: OpenedCache, m, entry, i: int) -> None:
             data = cache.read_shard(i)
             if decode:
                 check_payload(data, where=str(cache.path / entry.file), transform=m.transform, dtype=m.dtype,
@@ -381,34 +367,6 @@ def check_payload(data: bytes, *, where: str, transform: str, dtype: str, key_sh
         src.drain()
         src.finish()
 
-
-def open_part(path: str | os.PathLike, manifest: mf.Manifest, index: int) -> OpenedCache:
-    """Section `index` of the sectioned cache at `path` as an OpenedCache of its own (its ids, its shards opened from
-    its folder, each checked for its size), for restore and verify; a missing one is refused naming the section."""
-    from .sections import label
-
-    part = manifest.sections.parts[index]
-    folder = Path(path) / part.dir
-    own = dataclasses.replace(manifest, token_ids=part.token_ids, layers=part.layers, base=None, sections=None)
-    fds: list[int] = []
-    try:
-        dir_fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise CacheCorruptError(f"{folder}: {label(part)} cannot be opened ({exc.strerror}); prefill the document again") from None
-    try:
-        for layer in part.layers:
-            try:
-                fds.append(_open_in(dir_fd, layer.file, folder))
-            except FileNotFoundError:
-                raise CacheCorruptError(f"{folder / layer.file}: {label(part)}: shard is missing; prefill the document again") from None
-            _check_size(fds[-1], layer, f"{folder / layer.file}: {label(part)}")
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    finally:
-        os.close(dir_fd)
-    return OpenedCache(path=folder, manifest=own, shards=fds)
 
 def is_cache(path: Path) -> bool:
     return path.is_dir() and (path / mf.MANIFEST_NAME).is_file() and TMP_MARK not in path.name

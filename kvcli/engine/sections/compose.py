@@ -60,7 +60,7 @@ def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: 
     against lm), only those sections' shards read."""
     import torch
 
-    from ...format import sections as sec, store
+    from ...format import parts, sections as sec
     from ..cache import blend as bl
     from ..cache.restore import ROOM_TOKENS, load_cache, load_states
     from ..prefilling import DEFAULT_CHUNK
@@ -89,7 +89,7 @@ def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: 
             run_ids += glue + p.token_ids[:r]
             run_pos += list(range(start - len(glue), start + r))
             if r < n:
-                with store.open_part(opened.path, m, p.index) as part:
+                with parts.open_part(opened.path, m, p.index) as part:
                     try:
                         states = load_states(part, device=lm.device, dtype=lm.dtype, room=0)
                     except CacheCorruptError as exc:

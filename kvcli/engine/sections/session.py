@@ -65,10 +65,10 @@ class SectionedSession:
         blend.check_fraction(self.how.recompute)
         fit.check_fits(self.manifest, lm, str(self.path), convert_dtype=convert_dtype)
         blend.check_supported(lm)
-        from ...format import store
+        from ...format import parts
 
         for p in self.manifest.sections.parts:  # a section missing or cut short refuses the whole cache, naming it
-            store.open_part(self.path, self.manifest, p.index).close()
+            parts.open_part(self.path, self.manifest, p.index).close()
         self.opened = opened
         self.storage = self.manifest.storage
         m = self.manifest
