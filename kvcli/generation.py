@@ -18,6 +18,7 @@ from .errors import UsageError
 
 DEFAULT_MAX_NEW_TOKENS = 256  # answer tokens when no --max-new-tokens is given
 DEFAULT_BATCH = 8  # rows one document decodes together (docs/serving.md, "Many questions at once")
+DEFAULT_STOP_LOOPS = 12  # the command line's --stop-loops: an answer ends when its last 12 ids come a third time
 DEFAULT_HTTP_MAX_TOKENS = 4096  # most answer tokens one HTTP request may ask for (serve --max-tokens)
 
 
@@ -50,6 +51,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
              "a list of non-empty strings", tuple),
     "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a finite number above 0 (1 is off)", float),
     "no_repeat_ngram_size": (lambda v: _is_int(v) and v >= 0, "a whole number of at least 0 (0: off)", int),
+    "stop_loops": (lambda v: _is_int(v) and v >= 0, "a whole number of at least 0 (0: never)", int),
 }
 FIELDS = tuple(RULES)
 CLI_NAMES = {f: "--" + f.replace("_", "-") for f in FIELDS}

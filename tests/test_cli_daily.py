@@ -278,3 +278,34 @@ def test_ask_warns_when_the_document_beside_the_cache_changed(tiny_model_dir, tm
     assert warnings == [f"kvcli: warning: {doc} has changed since {tmp_path / 'memo.kv'} was made from it; the answers come "
                         f"from the text as it was then ('kvcli prefill {doc}' extends the cache if the document only grew, "
                         "'--force' rebuilds it)"]
+
+
+# ---- a small model's loop ends the answer; nothing before it changes
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_stop_loops_ends_a_looping_answer_and_changes_no_token_before(cache_dir, n):
+    args = ["ask", "-c", cache_dir, "--json", "--max-new-tokens", "200", "--no-server", "What is the Licensor?"]
+    (free,) = json_lines(run(*args, "--stop-loops", "0").stdout)  # the tiny random model repeats itself
+    result = run(*args, "--stop-loops", str(n))
+    assert result.exit_code == 0, result.stderr
+    (a,) = json_lines(result.stdout)
+    ids = a["answer_token_ids"]
+    assert a["finish_reason"] == "loop" and len(ids) < len(free["answer_token_ids"])
+    assert ids == free["answer_token_ids"][:len(ids)]  # the same tokens, ended where the loop was seen
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    assert grams.count(grams[-1]) == 3  # ended the first time an n-gram came a third time
+    assert all(grams[:i + 1].count(grams[i]) < 3 for i in range(len(grams) - 1))
+    plain = run(*args[:3], "--max-new-tokens", "200", "--no-server", "--stop-loops", str(n), "What is the Licensor?")
+    assert plain.exit_code == 0 and "kvcli: note: the answer was ended where it began to repeat itself" in plain.stderr
+
+
+def test_stop_loops_is_on_by_default_on_the_command_line_and_checked(cache_dir, tmp_path):
+    from kvcli.generation import DEFAULT_STOP_LOOPS
+
+    args = ["ask", "-c", cache_dir, "--json", "--max-new-tokens", "200", "--no-server", "What is the Licensor?"]
+    (default,) = json_lines(run(*args).stdout)
+    (explicit,) = json_lines(run(*args, "--stop-loops", str(DEFAULT_STOP_LOOPS)).stdout)
+    assert default["answer_token_ids"] == explicit["answer_token_ids"]
+    assert_clean_error(run("ask", "-c", tmp_path / "none.kv", "--stop-loops", "-1", "--no-server", "Q?"), 2,
+                       "--stop-loops", "at least 0")

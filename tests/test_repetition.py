@@ -17,10 +17,11 @@ from tests.helpers import assert_clean_error, json_lines, run
 def test_repetition_options_equal_generate_on_the_full_prompt(cache_dir, tiny_model_dir, settings):
     from transformers import AutoModelForCausalLM
 
-    result = run("ask", "-c", cache_dir, "--json", "--ids", "--max-new-tokens", "24", *settings, "What is the Licensor?")
+    # --stop-loops 0: generate() has no such stop, and a random model under these settings loops
+    result = run("ask", "-c", cache_dir, "--json", "--ids", "--max-new-tokens", "24", "--stop-loops", "0", *settings, "What is the Licensor?")
     assert result.exit_code == 0, result.stderr
     (a,) = json_lines(result.stdout)
-    (plain,) = json_lines(run("ask", "-c", cache_dir, "--json", "--max-new-tokens", "24", "What is the Licensor?").stdout)
+    (plain,) = json_lines(run("ask", "-c", cache_dir, "--json", "--max-new-tokens", "24", "--stop-loops", "0", "What is the Licensor?").stdout)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     kw = dict(zip([s.lstrip("-").replace("-", "_") for s in settings[::2]], [float(v) if "." in v else int(v) for v in settings[1::2]]))
     assert a["answer_token_ids"] == _generate(model, a["prompt_token_ids"], 24, **kw)

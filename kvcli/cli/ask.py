@@ -10,13 +10,13 @@ import typer
 
 from . import served
 from ..errors import UsageError
-from ..generation import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS
+from ..generation import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS, DEFAULT_STOP_LOOPS
 from .output import Output
 from .rendering import AskRenderer
 from .app import command
 from .common import cache_formats, gather_questions, local_cache, read_answer_json, shown
 from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, IdsOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
-                      RepetitionPenaltyOpt, RevisionOpt, SeedOpt, ServerOpt, TemperatureOpt, TopPOpt, TrustOpt)
+                      RepetitionPenaltyOpt, RevisionOpt, SeedOpt, ServerOpt, StopLoopsOpt, TemperatureOpt, TopPOpt, TrustOpt)
 
 
 @command
@@ -29,6 +29,7 @@ def ask(
     top_p: TopPOpt = 1.0,
     repetition_penalty: RepetitionPenaltyOpt = 1.0,
     no_repeat_ngram_size: NoRepeatNgramOpt = 0,
+    stop_loops: StopLoopsOpt = DEFAULT_STOP_LOOPS,
     seed: SeedOpt = None,
     stop: Annotated[list[str], typer.Option(metavar="TEXT", help="End the answer at this string (repeatable).", show_default=False)] = [],  # noqa: B006
     model: CacheModelOpt = None,
@@ -84,7 +85,8 @@ def ask(
 
         fraction = check_fraction(DEFAULT_RECOMPUTE if recompute is None else recompute)
     checked = check_options({"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
-                             "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size})
+                             "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size,
+                             "stop_loops": stop_loops})
     if str(follow_up) == "-" and (questions_file == "-" or not questions):
         raise UsageError("--follow-up - reads stdin: give the questions as arguments or with -f FILE")
     earlier = read_answer_json(follow_up) if follow_up else None
@@ -99,7 +101,8 @@ def ask(
         raise UsageError("--check recomputes every prompt in this process: it cannot go through a server (drop --server)")
     if server is not False and not check and not sectioned and not any(is_url(c) for c in cache):  # a running `kvcli serve` answers without importing torch
         options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
-                   "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size}
+                   "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size,
+                   "stop_loops": stop_loops}
         fields = {"caches": [os.path.abspath(c) for c in cache], "questions": qs, "options": options, "model": served.client_model(model),
                   "revision": revision, "device": device, "dtype": dtype, "convert_dtype": convert_dtype,
                   "trust_remote_code": trust_remote_code, "stream": not json_out, "batch_size": batch_size}

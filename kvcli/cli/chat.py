@@ -15,13 +15,13 @@ import typer
 
 from . import served
 from ..errors import PromptTooLongError, UsageError
-from ..generation import DEFAULT_MAX_NEW_TOKENS
+from ..generation import DEFAULT_MAX_NEW_TOKENS, DEFAULT_STOP_LOOPS
 from .output import Output, is_terminal
 from .rendering import AskRenderer, positions_ran_out
 from .app import command
 from .common import cache_formats, local_cache, read_answer_json, shown
 from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, IdsOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
-                      RepetitionPenaltyOpt, RevisionOpt, SeedOpt, ServerOpt, TemperatureOpt, TopPOpt, TrustOpt)
+                      RepetitionPenaltyOpt, RevisionOpt, SeedOpt, ServerOpt, StopLoopsOpt, TemperatureOpt, TopPOpt, TrustOpt)
 
 
 @command
@@ -32,6 +32,7 @@ def chat(
     top_p: TopPOpt = 1.0,
     repetition_penalty: RepetitionPenaltyOpt = 1.0,
     no_repeat_ngram_size: NoRepeatNgramOpt = 0,
+    stop_loops: StopLoopsOpt = DEFAULT_STOP_LOOPS,
     seed: SeedOpt = None,
     stop: Annotated[list[str], typer.Option(metavar="TEXT", help="End an answer at this string (repeatable).", show_default=False)] = [],  # noqa: B006
     follow_up: FollowUpOpt = None,
@@ -55,7 +56,7 @@ def chat(
     check_trust(trust_remote_code, model)
     earlier = read_answer_json(follow_up) if follow_up else None
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
-               "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size}
+               "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size, "stop_loops": stop_loops}
     checked = check_options(options)
     from ..remote import is_url
 

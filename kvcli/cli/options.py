@@ -32,5 +32,6 @@ TopPOpt = Annotated[float, typer.Option(metavar="P", help="Nucleus sampling thre
 SeedOpt = Annotated[Optional[int], typer.Option(metavar="S", help="Seed for reproducible sampling (0 to 2^64-1).")]
 RepetitionPenaltyOpt = Annotated[float, typer.Option(metavar="R", help="Above 1 makes tokens already in the prompt or answer less likely (generate()'s own; 1: off).")]
 NoRepeatNgramOpt = Annotated[int, typer.Option(metavar="N", help="Never repeat an N-token sequence of the prompt or answer (0: off).")]
+StopLoopsOpt = Annotated[int, typer.Option(metavar="N", help="End an answer once its last N tokens come a third time in it: a small model caught in a loop (0: never; the tokens before are unchanged).")]
 IdsOpt = Annotated[bool, typer.Option("--ids", help="With --json: also every prompt id of each answer (prompt_token_ids; large).")]
 ConvertDtypeOpt = Annotated[bool, typer.Option("--convert-dtype", help="Allow a model dtype different from the cache's (answers may differ).")]

@@ -134,7 +134,10 @@ class AskRenderer:
                 if a.get("sources"):
                     out.write("\n" + sources_line(a))
                 out.write("\0" if self.null else "\n")
-            if a.get("finish_reason") == "length" and not self.json_out:  # one line: the cut, and the timing on a terminal
+            if a.get("finish_reason") == "loop" and not self.json_out:
+                which = f"the answer to {' '.join(self._label(ev['index'], a.get('question', '')).split())!r}" if self.multiple else "the answer"
+                out.note(f"kvcli: note: {which} was ended where it began to repeat itself (--stop-loops; 0 lets it go on)")
+            elif a.get("finish_reason") == "length" and not self.json_out:  # one line: the cut, and the timing on a terminal
                 note = cut_note(a, self._label(ev["index"], a.get("question", "")) if self.multiple else None, self.max_new_tokens)
                 out.note(note + (f" ({timing(a).removesuffix(' (cut short)')})" if out.interactive else ""))
             else:

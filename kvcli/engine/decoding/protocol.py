@@ -29,7 +29,7 @@ class Row:
     appended: list[int]
     max_new: int
     choose: Callable[[list[int], torch.Tensor], int]  # (ids so far, logits [vocab]) -> next id
-    on_token: Callable[[int], bool]  # hands a new id to the stream; True when a stop string ended the answer
+    on_token: Callable[[int], bool | str]  # hands a new id to the stream; True (or the reason) when that ended the answer
     answer: list[int] = field(default_factory=list)
     slot: int = -1  # buffer row
     offset: int = 0  # tokens written to the row
@@ -118,7 +118,7 @@ def take(row: Row, logits: torch.Tensor, eos: set[int]) -> None:
     row.answer.append(token)
     stopped = row.on_token(token)
     if stopped or token in eos:
-        row.finish_reason = "stop"
+        row.finish_reason = stopped if isinstance(stopped, str) else "stop"
     elif len(row.answer) >= row.max_new:
         row.finish_reason = "length"
 

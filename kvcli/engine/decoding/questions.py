@@ -111,12 +111,16 @@ def question(session: Any, index: int, text: str, options: Any, *, history: Sequ
     prompt = prompt or session.prompt_ids(text, history)
     stream = TextStream(lm.tokenizer, options.stop, on_text)
     eos = session.eos
+    looped = loop_watch(getattr(options, "stop_loops", 0) or 0)
 
-    def on_token(token: int) -> bool:
+    def on_token(token: int) -> bool | str:
         if token in eos:  # the end of turn is not text: the answer is complete
             stream.end()
             return False
         stopped = stream.put(token)
+        if not stopped and looped(token):
+            stream.end()
+            return "loop"
         if not stopped and len(stream.ids) >= row.max_new:
             stream.end()
         return stopped
@@ -124,6 +128,25 @@ def question(session: Any, index: int, text: str, options: Any, *, history: Sequ
     row = Row(index=index, prompt=prompt, appended=prompt[len(session.token_ids):], max_new=prompt_room(lm, prompt, options),
               choose=chooser(lm, options), on_token=on_token, logits=[] if check else None)
     return Question(text, row, stream, tuple(history))
+
+
+def loop_watch(n: int) -> Callable[[int], bool]:
+    """A watch over one answer's ids: True once its last n ids have come three times in it (a small model caught in
+    a loop); never for n = 0. It only ends an answer: every id before is the one the model chose."""
+    ids: list[int] = []
+    seen: dict[tuple[int, ...], int] = {}
+
+    def looped(token: int) -> bool:
+        if n <= 0:
+            return False
+        ids.append(token)
+        if len(ids) < n:
+            return False
+        gram = tuple(ids[-n:])
+        seen[gram] = seen.get(gram, 0) + 1
+        return seen[gram] >= 3
+
+    return looped
 
 
 def in_order(count: int, begin: Callable[[int], None], finish: Callable[[int, Any], None],

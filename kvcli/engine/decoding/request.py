@@ -22,7 +22,7 @@ class Answer:
     processed_tokens: int  # ids the model actually ran forward for this question (appended + answer - 1)
     ttft_s: float | None
     total_s: float
-    finish_reason: str  # "stop" (end of turn or stop string) or "length"
+    finish_reason: str  # "stop" (end of turn or stop string), "length", or "loop" (stop_loops)
     cache: str = ""
     check: Check | None = None  # with ask(check=True): this answer measured against a full recompute
     history: list[dict[str, str]] = field(default_factory=list)  # earlier {question, answer} turns, oldest first
@@ -59,6 +59,8 @@ class GenerationOptions:
     # generate()'s own anti-repetition settings; like generate() they see every prompt id (document included).
     repetition_penalty: float = 1.0  # 1.0: off; >1 makes tokens already seen less likely
     no_repeat_ngram_size: int = 0  # 0: off; n>0 never repeats an n-gram of the prompt or answer
+    # n>0 ends an answer ("loop") once its last n ids have come three times in it; the ids before are unchanged
+    stop_loops: int = 0
 
 
 def prompt_room(lm: Any, prompt: Sequence[int], opts: GenerationOptions) -> int:
