@@ -88,3 +88,22 @@ def test_without_a_device_one_host_tier(caches):
     t = tiers.Tiers(device_limit=None, host_limit=1 << 30)
     t.put("x", kv)
     assert t.get("x") is kv and [r["tier"] for r in t.report()] == ["host"]
+
+
+def test_a_cache_kept_in_host_memory_is_restored_from_there(caches, link, monkeypatch):
+    """A warm server keeps a cache pushed out of device memory in the host tier: the next restore of the same cache
+    (same manifest, dtype and room) copies it up layer by layer, reading no shard; another cache misses."""
+    host = tiers.HostTier(limit=1 << 30)
+    monkeypatch.setattr(tiers, "HOST", host)
+    first = _restored(caches[0], link)
+    with store.open_cache(caches[0]) as opened:
+        key = tiers.host_key(opened.manifest, first.layers[0].keys.dtype, 0)
+    assert host.keep(key, first, pinned=False)
+    again = _restored(caches[0], link)
+    assert again.restore_stats.bytes_stored == 0 and host.hits == 1  # no shard read
+    assert _same(again.states(), _reference(caches[0]))
+    other = _restored(caches[1], link)
+    assert other.restore_stats.bytes_stored > 0 and host.hits == 1
+    assert host.report()["caches"] == 1
+    small = tiers.HostTier(limit=1)
+    assert not small.keep(key, first, pinned=False) and small.report()["caches"] == 0

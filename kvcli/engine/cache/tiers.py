@@ -158,3 +158,57 @@ class Tiers:
         with self._lock:
             return [{"tier": name, "caches": len(tier), "bytes": sum(e.nbytes for e in tier.values()),
                      "limit": self.limits[name]} for name, tier in self.tiers.items()]
+
+
+class HostTier:
+    """Caches pushed out of device memory, kept as host copies (pinned) under `limit` bytes, least recently used
+    out first, keyed by what decides their bytes (host_key): a restore onto the device that finds its cache here
+    copies it up layer by layer instead of reading and decoding its shards (restore.load_cache). limit 0: none kept."""
+
+    def __init__(self, limit: int = 0):
+        self.limit = limit
+        self._copies: OrderedDict[Any, HostCopy] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.kept = self.dropped = 0
+
+    def keep(self, key: Any, cache: KVCache, pinned: bool = True) -> bool:
+        """Copy a device cache's document down (blocking until copied); False when it cannot fit the limit."""
+        nbytes = sum(t.numel() * t.element_size() for s in cache.states() for t in (s.keys, s.values))
+        if nbytes > self.limit:
+            return False
+        copy = to_host(cache, pinned)
+        with self._lock:
+            self._copies.pop(key, None)
+            self._copies[key] = copy
+            self.kept += 1
+            while sum(c.nbytes() for c in self._copies.values()) > self.limit:
+                self._copies.popitem(last=False)
+                self.dropped += 1
+        return True
+
+    def get(self, key: Any) -> HostCopy | None:
+        with self._lock:
+            copy = self._copies.get(key)
+            if copy is not None:
+                self._copies.move_to_end(key)
+                self.hits += 1
+            return copy
+
+    def clear(self) -> None:
+        with self._lock:
+            self._copies.clear()
+
+    def report(self) -> dict[str, Any]:
+        """What `kvcli ps` shows for this tier."""
+        with self._lock:
+            return {"tier": "host", "caches": len(self._copies), "bytes": sum(c.nbytes() for c in self._copies.values()),
+                    "limit": self.limit, "hits": self.hits, "kept": self.kept, "dropped": self.dropped}
+
+
+HOST = HostTier()  # the process's host tier (a warm server sets its limit: --max-host-memory)
+
+
+def host_key(manifest: Any, dtype: Any, room: int) -> tuple:
+    """What decides a restored cache's bytes: the manifest's own digest (its shards' digests and any base's in it),
+    the dtype restored to and the spare room."""
+    return (manifest.digest, str(dtype), room)
