@@ -107,3 +107,13 @@ def test_a_cache_kept_in_host_memory_is_restored_from_there(caches, link, monkey
     assert host.report()["caches"] == 1
     small = tiers.HostTier(limit=1)
     assert not small.keep(key, first, pinned=False) and small.report()["caches"] == 0
+
+
+def test_keep_on_host_keeps_nothing_from_the_cpu(caches, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(tiers, "HOST", tiers.HostTier(limit=1 << 30))
+    with store.open_cache(caches[0]) as opened:
+        kv = restore.load_cache(opened)
+        session = SimpleNamespace(cache=kv, blended=None, manifest=opened.manifest, lm=SimpleNamespace(dtype=None))
+    assert restore.keep_on_host(session) is False and tiers.HOST.report()["caches"] == 0

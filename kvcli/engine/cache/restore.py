@@ -225,3 +225,15 @@ def _decode_shard(cache: OpenedCache, i: int, stored: Any, out, stats: RestoreSt
             stats.hash_s += stream.hash_s
             stats.decode_s += time.perf_counter() - t0 - stream.read_s - stream.hash_s
     return result
+
+
+def keep_on_host(session: Any) -> bool:
+    """A warm Session leaving device memory: its restored document kept in the process's host tier (tiers.HOST,
+    when it has a limit), so that the next restore of the same cache onto the device copies it back up instead of
+    decoding its shards. False (nothing kept) on the CPU, for a blend, or when it does not fit the limit."""
+    states = session.cache.states(wait=False)
+    if not tiers.HOST.limit or session.blended is not None or not states or states[0].keys.device.type == "cpu":
+        return False
+    link = transfer.link_for(states[0].keys.device)
+    pinned = link.pinned if link is not None else False
+    return tiers.HOST.keep(tiers.host_key(session.manifest, session.lm.dtype, ROOM_TOKENS), session.cache, pinned)
