@@ -177,7 +177,7 @@ def main() -> None:
     for row in result["settings"].values():
         row["ttft_disk_over_forward"] = row["ttft_disk_s"] / result["forward_s"]
         row["ttft_held_over_forward"] = row["ttft_held_s"] / result["forward_s"]
-    del model, lm
+    model = lm = None  # freed (the closures above are done with them)
 
     if args.check_exact:
         result["exact"] = check_exact(args, tok)
