@@ -90,6 +90,7 @@ INLINE void FN(dot_q32)(const int kind, const int R, const uint8_t *w, int64_t s
         const int sb = s[b];
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = w + r * stride + size * b;
+            if (R > 1 && (b & 1) == 0) _mm_prefetch((const char *)blk + PREFETCH_ROWS * stride, _MM_HINT_T0);
             __m256i p = _mm256_setzero_si256();
             if (kind == K_Q8_0) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 2));
@@ -155,6 +156,7 @@ INLINE void FN(dot_k)(const int kind, const int R, const uint8_t *w, int64_t str
         if (kind == K_Q6_K) {
             for (int r = 0; r < R; r++) {
                 const uint8_t *blk = w + r * stride + size * b;
+                for (int l = 0; l < size; l += 64) _mm_prefetch((const char *)blk + PREFETCH_ROWS * stride + l, _MM_HINT_T0);
                 const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
                 const __m256i sv[2] = {_mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11)};
                 __m256i p = _mm256_slli_epi32(_mm256_madd_epi16(sc, bs), 5);
@@ -181,6 +183,7 @@ INLINE void FN(dot_k)(const int kind, const int R, const uint8_t *w, int64_t str
             const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
             for (int r = 0; r < R; r++) {
                 const uint8_t *blk = w + r * stride + size * b;
+                for (int l = 0; l < size; l += 64) _mm_prefetch((const char *)blk + PREFETCH_ROWS * stride + l, _MM_HINT_T0);
                 const uint8_t *qs = blk + (kind == K_Q4_K ? 16 : 48);
                 const __m256i sm = FN(k_scales_mins)(blk + 4);
                 const __m256i sc = _mm256_permute2x128_si256(sm, sm, 0x00);

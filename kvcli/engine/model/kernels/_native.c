@@ -18,6 +18,10 @@ enum { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q4_K, K_Q5_K, K_Q6_K, K_COUNT }
 static const int BLOCK[K_COUNT] = {32, 32, 32, 32, 32, 256, 256, 256};
 static const int BYTES[K_COUNT] = {18, 20, 22, 24, 34, 144, 176, 210};
 
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 8  /* software prefetch this many rows ahead: more reads in flight than the streams' prefetchers keep */
+#endif
+
 static inline int is_k(int kind) { return kind >= K_Q4_K; }
 
 struct gemv {
