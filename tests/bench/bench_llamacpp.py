@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -110,7 +109,7 @@ def child(cfg_path: str, out_path: str) -> None:
     t = time.perf_counter()
     lm = kvcli.load(cfg["model"], weights=cfg.get("weights"), dtype=cfg.get("dtype", "auto"))
     out: dict = {"load_s": time.perf_counter() - t, "ready_s": time.time() - cfg["t0"], "threads": torch.get_num_threads()}
-    if cfg.get("weights") is None:  # the first load: timed only
+    if cfg.get("load_only"):  # a first load: timed only
         Path(out_path).write_text(json.dumps(out))
         return
     from kvcli.engine.decoding.batch import eos_ids
@@ -153,7 +152,6 @@ def child(cfg_path: str, out_path: str) -> None:
         out["generate"] = generate(lm, session, session.prompt_ids(questions[0]), eos_ids(lm.model), cfg)
         out["generate"]["same_ids"] = out["generate"]["ids"] == runs[0]["ids"]
     shutil.rmtree(cache, ignore_errors=True)
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(out_path).write_text(json.dumps(out))
 
 
@@ -170,16 +168,42 @@ def generate(lm, session, prompt: list[int], eos: set[int], cfg: dict) -> dict:
 # -- the parent ------------------------------------------------------------------------------------------------------
 
 def run(cmd: list[str], cfg: dict, name: str, work: Path, env: dict | None = None) -> dict:
-    """One fresh process on CONFIG.json; its OUT.json, or {"error": ...} (the table shows it failed)."""
+    """One fresh process on CONFIG.json; its OUT.json with the process's peak RSS (its maxrss, as /usr/bin/time -v
+    reports it: mapped file pages it touched included, for kvcli and llama.cpp alike), or {"error": ...}."""
     path, out = work / f"{name}.json", work / f"{name}-out.json"
     cfg["t0"] = time.time()  # the process's start: "ready" counts interpreter, imports and load
     path.write_text(json.dumps(cfg))
-    done = subprocess.run([*cmd, str(path), str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode or not out.is_file():
-        lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()] or [f"exit {done.returncode}"]
+    proc = subprocess.Popen([*cmd, str(path), str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode or not out.is_file():
+        lines = [ln for ln in stderr.strip().splitlines() if ln.strip()] or [f"exit {proc.returncode}"]
         print(f"bench_llamacpp: {name} failed: {lines[-1]}", file=sys.stderr)
-        return {"error": lines[-1][:200]}
-    return json.loads(out.read_text())
+        return {"error": lines[-1][:200], "peak_rss_mb": usage.ru_maxrss / 1024}
+    return {**json.loads(out.read_text()), "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+def kept_mb(gguf: str, weights: str) -> float:
+    """What KVCLI_HOME keeps for this file in this mode, MB: the converted float32 folder (float, q8, q4), or the
+    kernels' prepared tensors (gguf); the small config-and-tokenizer folder in both."""
+    from kvcli.engine.model.models import gguf_folders, resolve
+
+    folder, light = gguf_folders(resolve(gguf)["sha256"])
+    folders = [light, folder.with_name(folder.name + "-packed")] if weights == "gguf" else [light, folder]
+    return sum(f.stat().st_size for d in folders if d.is_dir() for f in d.rglob("*") if f.is_file()) / 1e6
+
+
+def first_ready(args, n: str, work: Path) -> dict:
+    """A load alone in a fresh process and an empty KVCLI_HOME: what a first run pays (hashing the file, reading its
+    config and tokenizer, converting or preparing its tensors)."""
+    weights, dtype = parse_mode(n)
+    home = work / f"home-{n.replace('+', '-')}"
+    env = dict(os.environ, KVCLI_HOME=str(home))
+    got = run([sys.executable, __file__, "--child"], {"model": args.model, "threads": args.threads, "load_only": True,
+                                                      "weights": weights, "dtype": dtype}, f"first-{n}", work, env)
+    shutil.rmtree(home, ignore_errors=True)
+    return got
 
 
 def first_load(args, work: Path) -> dict:
@@ -192,7 +216,8 @@ def first_load(args, work: Path) -> dict:
     if done and not args.fresh_convert:
         return {"already": str(folder)}
     env = dict(os.environ, KVCLI_HOME=str(work / "home")) if done else None
-    got = run([sys.executable, __file__, "--child"], {"model": args.model, "threads": args.threads}, "convert", work, env)
+    got = run([sys.executable, __file__, "--child"], {"model": args.model, "threads": args.threads, "weights": "float",
+                                                      "load_only": True}, "convert", work, env)
     shutil.rmtree(work / "home", ignore_errors=True)
     return {**got, "folder": str(folder), "fresh_home": done}
 
@@ -229,7 +254,13 @@ def render(r: dict) -> str:
         return [(common_prefix(a, b), len(a), a == b) for a, b in zip(cols[ref]["answers"], mine)]
 
     row("model dtype", lambda c, n: "file's types, f16 KV" if n == LLAMACPP else c["dtype"], "{}")
+    if r.get("first"):
+        row("model ready, first run (fresh process, empty KVCLI_HOME), s",
+            lambda c, n: c["ready_s"] if n == LLAMACPP else r["first"][n]["ready_s"], "{:.2f}")
+        row("peak memory of that first load (RSS), MB",
+            lambda c, n: c["peak_rss_mb"] if n == LLAMACPP else r["first"][n]["peak_rss_mb"], "{:.0f}")
     row("model ready in a fresh process, s", lambda c, n: c["ready_s"], "{:.2f}")
+    row("kept in KVCLI_HOME for the model, MB", lambda c, n: 0.0 if n == LLAMACPP else c["kept_mb"], "{:.1f}")
     row(f"prefill of the document ({tokens:,} tokens), s" if isinstance(tokens, int) else "prefill, s",
         lambda c, n: c["prefill_s"] + c["save_s"] if n == LLAMACPP else c["prefill_s"], "{:.2f}")
     row("on disk (cache folder / state file), MB", lambda c, n: c["bytes_on_disk"] / 1e6, "{:.1f}")
@@ -240,14 +271,16 @@ def render(r: dict) -> str:
         lambda c, n: c["one"]["decode_ms_per_token"] if n == LLAMACPP else c["decode_ms_per_token"], "{:.1f}")
     if r["generate"]:
         row("transformers generate() decode, ms a token", lambda c, n: c["generate"]["decode_ms_per_token"], "{:.1f}")
-    row("peak memory (RSS), MB", lambda c, n: c["peak_rss_mb"], "{:.0f}")
+    row("peak memory (RSS: maxrss of the process, mapped pages included), MB", lambda c, n: c["peak_rss_mb"], "{:.0f}")
     n_q = len(r["questions"])
     row(f"answers identical to {label(ref)}'s tokens", lambda c, n: f"{sum(s for _, _, s in agree(c, n))} of {n_q}", "{}")
     row("common prefix, tokens, per question", lambda c, n: " ".join(f"{p}/{m}" for p, m, _ in agree(c, n)), "{}")
 
     m, conv = r["machine"], r["convert"]
     notes = [""]
-    if "already" in conv:
+    if conv.get("already") == "-":
+        pass  # no float mode measured: nothing converted
+    elif "already" in conv:
         notes.append(f"first load (converts): already converted in {conv['already']} (--fresh-convert times it again)")
     elif "error" in conv:
         notes.append(f"first load (converts): failed: {conv['error']}")
@@ -293,6 +326,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of each side (default: the CPU's cores)")
     ap.add_argument("--generate", action="store_true", help="also transformers' generate() on each mode's model and cache")
     ap.add_argument("--fresh-convert", action="store_true", help="time the GGUF's conversion even when it is already done")
+    ap.add_argument("--first", action="store_true", help="also each kvcli mode's first load, in an empty KVCLI_HOME")
     ap.add_argument("--llamacpp-python", default=os.environ.get("KVCLI_LLAMACPP_PYTHON")
                     or f"{os.environ.get('KVCLI_LLAMACPP_VENV', '/opt/kvcli-llamacpp-venv')}/bin/python")
     ap.add_argument("--busy", type=int, default=0, help="busy-looping processes beside the whole run")
@@ -318,7 +352,7 @@ def main() -> None:
         sys.exit("bench_llamacpp: --modes needs a kvcli mode (the prompt ids and the reference answers)")
     result: dict = {"machine": {"cpu": cpu(), "load_before": [round(x, 2) for x in os.getloadavg()]}, "model": gguf,
                     "modes": names, "reference": ref, "questions": questions, "max_new_tokens": args.max_new_tokens,
-                    "repeats": args.repeats, "tokens": args.tokens, "generate": args.generate, "results": {}}
+                    "repeats": args.repeats, "tokens": args.tokens, "generate": args.generate, "results": {}, "first": {}}
     busy = [subprocess.Popen([sys.executable, "-c", BUSY, str(os.getpid())]) for _ in range(args.busy)]  # beside every side
     result["machine"]["busy"] = args.busy
     try:
@@ -337,7 +371,9 @@ def measure(args, result: dict, names: list[str], kv: list[str], ref: str, gguf:
 
     with tempfile.TemporaryDirectory(prefix="kvcli-bench-llamacpp-") as tmp:
         work = Path(tmp)
-        result["convert"] = first_load(args, work)
+        result["convert"] = first_load(args, work) if any(parse_mode(k)[0] != "gguf" for k in kv) else {"already": "-"}
+        for n in kv if args.first else []:
+            result["first"][n] = first_ready(args, n, work)
         doc, cut = args.doc, work / "doc" / Path(args.doc).name
         home = kvcli_home() / "models"
         for n in [ref] + [k for k in kv if k != ref]:  # the reference first: its cut document and ids serve the rest
@@ -349,6 +385,7 @@ def measure(args, result: dict, names: list[str], kv: list[str], ref: str, gguf:
                    "threads": args.threads, "generate": args.generate}
             got = run([sys.executable, __file__, "--child"], cfg, cfg["name"], work)
             got["prepared"] = sorted(set(os.listdir(home)) - before) if home.is_dir() else []  # one-time work inside "ready"
+            got["kept_mb"] = kept_mb(gguf, weights)
             result["results"][n] = got
         prompt = result["results"][ref].get("prompt")
         for n in kv:

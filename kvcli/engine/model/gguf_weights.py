@@ -265,10 +265,8 @@ def load(path: Path, sha: str, model: Any, folder: Path | None) -> dict[str, Any
     header = _header_from_record(found[0]) if found is not None else read_header(path)
     file = _FileBytes(path, size)
     config = model.config.get_text_config()
-    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
-
     processor = _processor(header, config)
-    mapping = get_gguf_hf_weights_map(model, processor)  # gguf tensor name -> the model's parameter name
+    mapping = _names(model, header, processor, path)  # gguf tensor name -> the model's parameter name
     by_param = {hf: g for g, hf in mapping.items() if g in header.tensors}
     modules = dict(model.named_modules())
     packed = {n: m for n, m in modules.items() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
@@ -302,6 +300,29 @@ def load(path: Path, sha: str, model: Any, folder: Path | None) -> dict[str, Any
             report[info.kind] = report.get(info.kind, 0) + 1
         _materialise_rest(model, processor, mapping, header, file, by_param, path)
     return {"layers": report, "backend": kernels.backend()}
+
+
+def _names(model: Any, header: Header, processor: Any, path: Path) -> dict[str, str]:
+    """GGUF tensor name -> the model's parameter name, as transformers maps them (gguf's name map for the file's
+    architecture; a name not found is tried without its first part, as transformers tries submodules), with one
+    name map for the whole model."""
+    import gguf
+
+    arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == header.architecture), None)
+    if arch is None:
+        raise ModelError(f"{path}: GGUF architecture '{header.architecture}' is unknown to the gguf package")
+    layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0)
+    names = gguf.get_tensor_name_map(arch, layers)
+    out = {}
+    for hf in model.state_dict():
+        hf = processor.preprocess_name(hf)
+        base, _, suffix = hf.rpartition(".") if hf.endswith((".weight", ".bias")) else (hf, "", "")
+        for attempt in (base, base.partition(".")[2]):
+            found = names.get_name(attempt) if attempt else None
+            if found is not None:
+                out.setdefault(f"{found}.{suffix}" if suffix else found, hf)
+                break
+    return out
 
 
 def _name_of(module: Any, modules: dict[str, Any]) -> str:
