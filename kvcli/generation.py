@@ -11,7 +11,8 @@ endpoint names OpenAI's fields). A `stop` given as one string is refused, never 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import UsageError
@@ -20,6 +21,22 @@ DEFAULT_MAX_NEW_TOKENS = 256  # answer tokens when no --max-new-tokens is given
 DEFAULT_BATCH = 8  # rows one document decodes together (docs/serving.md, "Many questions at once")
 DEFAULT_STOP_LOOPS = 12  # the command line's --stop-loops: an answer ends when its last 12 ids come a third time
 DEFAULT_HTTP_MAX_TOKENS = 4096  # most answer tokens one HTTP request may ask for (serve --max-tokens)
+
+
+@dataclass
+class GenerationOptions:
+    """How one answer is generated (checked by check_options before it is made)."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+    # generate()'s own anti-repetition settings; like generate() they see every prompt id (document included).
+    repetition_penalty: float = 1.0  # 1.0: off; >1 makes tokens already seen less likely
+    no_repeat_ngram_size: int = 0  # 0: off; n>0 never repeats an n-gram of the prompt or answer
+    # n>0 ends an answer ("loop") once its last n ids have come three times in it; the ids before are unchanged
+    stop_loops: int = 0
 
 
 class OptionError(UsageError):

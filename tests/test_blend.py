@@ -311,6 +311,7 @@ def test_a_server_that_does_not_echo_the_blend_is_not_used(monkeypatch):
     from kvcli.cli import served
     from kvcli.cli.output import Output
     from kvcli.errors import ServerError
+    from kvcli.requests import AskRequest, Blend
     from kvcli.serve import client
 
     closed = []
@@ -322,7 +323,8 @@ def test_a_server_that_does_not_echo_the_blend_is_not_used(monkeypatch):
             closed.append(True)
 
     monkeypatch.setattr(client, "open_request", lambda *_a, **_k: Older())
-    assert served.run(Output(quiet=True), None, "ask", {"blend": 0.15}, []) is None  # this process blends instead
+    request = AskRequest(caches=("a.kv", "b.kv"), questions=("Q?",), blend=Blend(0.15))
+    assert served.run(Output(quiet=True), None, request, []) is None  # this process blends instead
     with pytest.raises(ServerError, match="cannot blend"):
-        served.run(Output(quiet=True), True, "ask", {"blend": 0.15}, [])
+        served.run(Output(quiet=True), True, request, [])
     assert closed == [True, True]

@@ -15,6 +15,7 @@ from kvcli.engine.cache.kvcache import GROW_STEP, FullLayer
 from kvcli.engine.decoding.request import DEFAULT_MAX_NEW_TOKENS
 from kvcli.engine.prefilling import prefill
 from kvcli.engine.scheduling.scheduler import engine_for
+from kvcli.requests import ModelSpec, SessionSpec
 from kvcli.serve.warm import Warm
 from tests.conftest import sample_text
 
@@ -69,7 +70,7 @@ def test_max_memory_holds_while_questions_run(tiny, monkeypatch):
     spec = str(lm.source.get("path") or lm.source.get("name"))
     warm = Warm(1 << 40)
     for name in ("a.kv", "b.kv"):
-        with warm.session(folder / name, model=spec):
+        with warm.session(SessionSpec((str(folder / name),), ModelSpec(spec))):
             pass
     s = warm.status()
     held = {c["path"].rsplit("/", 1)[1]: c["bytes"] for c in s["caches"]}
@@ -77,7 +78,7 @@ def test_max_memory_holds_while_questions_run(tiny, monkeypatch):
     assert s["bytes"] == model_bytes + held["a.kv"] + held["b.kv"]
     warm.max_memory = s["bytes"] + 1000  # both caches fit while idle; not with an answering batch's buffers too
     seen: list[dict] = []
-    with warm.session(folder / "a.kv", model=spec) as lease:
+    with warm.session(SessionSpec((str(folder / "a.kv"),), ModelSpec(spec))) as lease:
         monkeypatch.setattr(engine_for(lease.session.lm), "batched", True)  # rows of a batch: suffix buffers
         lease.submit([f"{Q} ({i})" for i in range(4)], kvcli.GenerationOptions(max_new_tokens=120)).result(
             on_answer=lambda i, a: seen.append(warm.status()))

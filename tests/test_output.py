@@ -173,6 +173,7 @@ def test_spinner_for_a_slow_question(monkeypatch):
 
     from kvcli.cli import output
     from kvcli.cli.rendering import AskRenderer
+    from kvcli.events import Begin, TextOut
 
     out = output.Output()
     out.interactive = True
@@ -181,24 +182,24 @@ def test_spinner_for_a_slow_question(monkeypatch):
     out.write = written.append
     render = AskRenderer(out, ["d.kv"], questions=1)
     monkeypatch.setattr(output, "WAIT_S", 0.05)
-    render({"event": "begin", "index": 0, "question": "x" * 20000, "cache": "d.kv"})
+    render(Begin(0, "x" * 20000, "d.kv"))
     waiting = render._waiting
     deadline = time.monotonic() + 10
     while not waiting.shown and time.monotonic() < deadline:
         time.sleep(0.05)
     assert waiting.shown  # no text after WAIT_S: the spinner runs
-    render({"event": "text", "text": "Answer"})
+    render(TextOut("Answer"))
     assert render._waiting is None and written == ["Answer"]
     assert "20,000 characters" in out.err.file.getvalue()
     quick = AskRenderer(out, ["d.kv"], questions=1)
-    quick({"event": "begin", "index": 0, "question": "Q?", "cache": "d.kv"})
+    quick(Begin(0, "Q?", "d.kv"))
     w = quick._waiting
-    quick({"event": "text", "text": "A"})
+    quick(TextOut("A"))
     time.sleep(0.2)
     assert not w.shown  # a quick answer never shows one
     out.interactive = False  # stderr not a terminal (or --quiet): no spinner at all
     silent = AskRenderer(out, ["d.kv"], questions=1)
-    silent({"event": "begin", "index": 0, "question": "x" * 20000, "cache": "d.kv"})
+    silent(Begin(0, "x" * 20000, "d.kv"))
     time.sleep(0.2)
     assert not silent._waiting.shown
 

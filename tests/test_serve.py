@@ -14,6 +14,7 @@ import pytest
 
 import kvcli
 from kvcli.serve import client, protocol
+from kvcli.requests import SessionSpec
 from kvcli.serve.warm import Warm
 from tests.conftest import sample_text, tiny_llama
 from tests.helpers import assert_clean_error, error_lines, json_lines, run, run_python
@@ -333,17 +334,18 @@ def test_replaced_cache_is_restored_again(here, world, server):
 
 def test_memory_bound_evicts_least_recently_used(world):
     warm = Warm(max_memory=1 << 40)
-    with warm.session(world["root"] / "ref-a.kv") as lease:
+    with warm.session(SessionSpec((str(world["root"] / "ref-a.kv"),))) as lease:
         lease.ask("Q?", kvcli.GenerationOptions(max_new_tokens=2))
     status = warm.status()
     model_bytes, cache_bytes = status["models"][0]["bytes"], status["caches"][0]["bytes"]
     warm.max_memory = model_bytes + cache_bytes + cache_bytes // 2  # room for the model and one cache
-    with warm.session(world["root"] / "ref-b.kv"):
+    with warm.session(SessionSpec((str(world["root"] / "ref-b.kv"),))):
         pass
     status = warm.status()
     assert [os.path.basename(c["path"]) for c in status["caches"]] == ["ref-b.kv"]
     assert status["bytes"] <= warm.max_memory and len(status["models"]) == 1
-    with warm.session(world["root"] / "ref-a.kv") as a, warm.session(world["root"] / "ref-b.kv") as b:  # in use: both kept
+    a_spec, b_spec = SessionSpec((str(world["root"] / "ref-a.kv"),)), SessionSpec((str(world["root"] / "ref-b.kv"),))
+    with warm.session(a_spec) as a, warm.session(b_spec) as b:  # in use: both kept
         assert len(warm.status()["caches"]) == 2 and a.session is not b.session
     assert len(warm.status()["caches"]) == 1  # back under the bound once released
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -14,7 +13,7 @@ from ..generation import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS, DEFAULT_STOP_LOO
 from .output import Output
 from .rendering import AskRenderer
 from .app import command
-from .common import cache_formats, gather_questions, local_cache, read_answer_json, shown
+from .common import cache_formats, gather_questions, local_opener, read_answer_json, shown
 from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, IdsOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
                       RepetitionPenaltyOpt, RevisionOpt, SeedOpt, ServerOpt, StopLoopsOpt, TemperatureOpt, TopPOpt, TrustOpt)
 
@@ -56,11 +55,32 @@ def ask(
     quiet: QuietOpt = False,
 ) -> int:
     """Answer questions from cached documents, computing only the questions' tokens."""
-    out = Output(quiet=quiet)
-    if not cache:  # checked before anything heavy loads: a usage error is instant
-        raise UsageError("--cache is required (the cache to answer from; make one with kvcli prefill DOC)")
-    from ..generation import check_options, check_trust
+    from ..requests import AskRequest, Blend, ModelSpec, check_caches, options_from
 
+    out = Output(quiet=quiet)
+    check_caches(cache)  # before anything heavy loads: a usage error is instant
+    how = _sections(cache, blend=blend, recompute=recompute, sections=sections, every=every, follow_up=follow_up)
+    blended = (Blend() if recompute is None else Blend(recompute)) if blend else None
+    options = options_from({"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed,
+                            "stop": list(stop), "repetition_penalty": repetition_penalty,
+                            "no_repeat_ngram_size": no_repeat_ngram_size, "stop_loops": stop_loops})
+    if str(follow_up) == "-" and (questions_file == "-" or not questions):
+        raise UsageError("--follow-up - reads stdin: give the questions as arguments or with -f FILE")
+    earlier = read_answer_json(follow_up) if follow_up else None
+    request = AskRequest(caches=tuple(cache), questions=tuple(gather_questions(questions or [], questions_file)), options=options,
+                         model=ModelSpec(model, revision, device, dtype, trust_remote_code), convert_dtype=convert_dtype,
+                         blend=blended, batch_size=batch_size, check=check, stream=not json_out, follow_up=earlier,
+                         follow_up_name=str(follow_up), sections=how)
+    if check and server:
+        raise UsageError("--check recomputes every prompt in this process: it cannot go through a server (drop --server)")
+    formats = cache_formats(out, list(cache))
+    look = {"json_out": json_out, "null": null, "ids": ids,
+            "formats": [" + ".join(str(f) for f in formats)] if blend else formats}  # how the answers are rendered
+    return _ask(out, request, server=server, look=look)
+
+
+def _sections(cache: list[str], *, blend: bool, recompute: Optional[float], sections: Optional[int], every: bool, follow_up):
+    """Which sections each question of a sectioned cache uses (None for other caches), the options checked."""
     sectioned = _sectioned(cache)
     if recompute is not None and not blend and not sectioned:
         raise UsageError("--recompute is the share of each document recomputed by --blend or of each section of a sectioned "
@@ -68,89 +88,37 @@ def ask(
     if (sections is not None or every) and not sectioned:
         raise UsageError("--sections and --all choose the sections of a sectioned cache (a document longer than the window); "
                          f"{cache[0]} is not one")
-    how = None
-    if sectioned and not blend:
-        from ..engine.sections.session import DEFAULT_RECOMPUTE as SECTION_RECOMPUTE, Sections
+    if not sectioned or blend:
+        return None
+    from ..engine.sections.session import DEFAULT_RECOMPUTE as SECTION_RECOMPUTE, Sections
 
-        how = Sections(count=sections, every=every, recompute=SECTION_RECOMPUTE if recompute is None else recompute)
-        if follow_up:
-            raise UsageError("--follow-up cannot continue a sectioned cache's prompt (each question makes its own)")
-    if blend and len(cache) < 2:
-        raise UsageError("--blend makes one prompt of several caches: give --cache at least twice")
-    if blend and follow_up:
-        raise UsageError("--follow-up cannot continue a blended prompt: ask the follow-up with the documents blended again")
-    fraction = None
-    if blend:
-        from ..engine.cache.blend import DEFAULT_RECOMPUTE, check_fraction
+    if follow_up:
+        raise UsageError("--follow-up cannot continue a sectioned cache's prompt (each question makes its own)")
+    return Sections(count=sections, every=every, recompute=SECTION_RECOMPUTE if recompute is None else recompute)
 
-        fraction = check_fraction(DEFAULT_RECOMPUTE if recompute is None else recompute)
-    checked = check_options({"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
-                             "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size,
-                             "stop_loops": stop_loops})
-    if str(follow_up) == "-" and (questions_file == "-" or not questions):
-        raise UsageError("--follow-up - reads stdin: give the questions as arguments or with -f FILE")
-    earlier = read_answer_json(follow_up) if follow_up else None
-    check_trust(trust_remote_code, model)
-    qs = gather_questions(questions or [], questions_file)
-    formats = cache_formats(out, list(cache))
-    if blend:
-        formats = [" + ".join(str(f) for f in formats)]
+
+def _ask(out: Output, request, *, server: Optional[bool], look: dict) -> int:
+    """Through a running `kvcli serve` (which answers without this process importing torch), else in-process."""
     from ..remote import is_url
 
-    if check and server:
-        raise UsageError("--check recomputes every prompt in this process: it cannot go through a server (drop --server)")
-    if server is not False and not check and not sectioned and not any(is_url(c) for c in cache):  # a running `kvcli serve` answers without importing torch
-        options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": seed, "stop": list(stop),
-                   "repetition_penalty": repetition_penalty, "no_repeat_ngram_size": no_repeat_ngram_size,
-                   "stop_loops": stop_loops}
-        fields = {"caches": [os.path.abspath(c) for c in cache], "questions": qs, "options": options, "model": served.client_model(model),
-                  "revision": revision, "device": device, "dtype": dtype, "convert_dtype": convert_dtype,
-                  "trust_remote_code": trust_remote_code, "stream": not json_out, "batch_size": batch_size}
-        if blend:
-            fields["blend"] = fraction
-        if earlier is not None:
-            fields.update(follow_up=earlier, follow_up_name=str(follow_up))
-
-        names = [" + ".join(str(c) for c in cache)] if blend else [str(c) for c in cache]
-        render = AskRenderer(out, names, questions=len(qs), json_out=json_out, null=null, served=True,
-                             max_new_tokens=max_new_tokens, formats=formats, ids=ids)
-        code = served.run(out, server, "ask", fields, [*(str(Path(c)) for c in cache), model], render=render)
+    caches = request.caches
+    if server is not False and not request.check and request.sections is None and not any(is_url(c) for c in caches):
+        names = [" + ".join(caches)] if request.blend else list(caches)
+        render = AskRenderer(out, names, questions=len(request.questions), served=True,
+                             max_new_tokens=request.options.max_new_tokens, **look)
+        code = served.run(out, server, request, [*(str(Path(c)) for c in caches), request.model.source], render=render)
         if code is not None:
             return code
-    from contextlib import contextmanager
-
-    from ..events import ask_events
     from ..engine import answer as an
-    from ..engine.prompt import conversation
+    from ..events import ask_events
 
-    opts = an.GenerationOptions(**checked)
-    loader = an.ModelPool(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=out.note)
-
-    @contextmanager
-    def open_session(path):
-        if blend:  # a tuple of caches, blended into one prompt
-            locals_ = [local_cache(p, out, check=lambda m, p=p: loader.fits(m, shown(p), convert_dtype=convert_dtype)) for p in path]
-            with out.status(f"blending {len(path)} caches"):
-                session = loader.session(locals_, convert_dtype=convert_dtype, blend=fraction)
-        else:
-            local = local_cache(path, out, check=lambda m: loader.fits(m, shown(path), convert_dtype=convert_dtype))
-            with out.status(f"loading {path}"):
-                session = loader.session(local, where=shown(path), convert_dtype=convert_dtype, sections=how)
-        try:
-            yield session
-        finally:
-            if hasattr(session, "close"):  # a sectioned cache, held open for its sections
-                session.close()
-
-    def history_for(session) -> list:
-        return conversation.from_answer_json(earlier, session.token_ids, str(follow_up)) if earlier is not None else []
-
-    names = [" + ".join(shown(c) for c in cache)] if blend else [shown(c) for c in cache]
-    render = AskRenderer(out, names, questions=len(qs), json_out=json_out, null=null, max_new_tokens=max_new_tokens,
-                         formats=formats, ids=ids)
-    return ask_events(open_session, cache, qs, opts, emit=render, history_for=history_for, batch_size=batch_size, check=check,
-                      stream=not json_out, shown=shown, blend=blend)
-
+    pool = an.ModelPool(request.model, progress=out.note)
+    names = [" + ".join(shown(c) for c in caches)] if request.blend else [shown(c) for c in caches]
+    render = AskRenderer(out, names, questions=len(request.questions), max_new_tokens=request.options.max_new_tokens, **look)
+    try:
+        return ask_events(request, local_opener(out, pool), emit=render, shown=shown)
+    finally:
+        pool.close()
 
 
 def _sectioned(caches: list[str]) -> bool:

@@ -44,6 +44,27 @@ def cache_formats(out: Output, caches: list[str]) -> list[str | None]:
     return formats
 
 
+def local_opener(out: Output, pool):
+    """The in-process opener of events.ask_events: each cache fetched if remote (checked against the model it
+    would be answered with before any shard is fetched), then opened through the pool (engine.answer.ModelPool)."""
+    from contextlib import contextmanager
+    from dataclasses import replace
+
+    @contextmanager
+    def open_session(spec):
+        fetched = tuple(str(local_cache(p, out, check=lambda m, p=p: pool.fits(m, shown(p), convert_dtype=spec.convert_dtype)))
+                        for p in spec.caches)
+        with out.status(f"blending {len(fetched)} caches" if spec.blend else f"loading {spec.caches[0]}"):
+            session = pool.session(replace(spec, caches=fetched), where=None if spec.blend else shown(spec.caches[0]))
+        try:
+            yield session
+        finally:
+            if hasattr(session, "close"):  # a sectioned cache, held open for its sections
+                session.close()
+
+    return open_session
+
+
 def read_answer_json(path: Path):
     """The last JSON line of an `ask --json` output file (or stdin for '-')."""
     import json

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -46,50 +47,53 @@ def prefill(
 ) -> int:
     """Run documents through the model once and write their key/value caches."""
     from .. import documents
-    from ..format import manifest as mf, writing
+    from ..format import writing
     from ..remote import is_url
+    from ..requests import ModelSpec, PrefillRequest
 
     out = Output(quiet=quiet)
     docs = docs or []
     documents.check_encoding(encoding)
-    mf.check_kv_bits(kv_bits)
+    request = PrefillRequest(docs=(), model=ModelSpec(model or os.environ.get("KVCLI_MODEL"), revision, device, dtype,
+                                                      trust_remote_code, weights),
+                             system=system, framing=framing, chunk_size=chunk_size, encoding=encoding, force=force,
+                             kv_bits=kv_bits, after=after, compression=compression, window=window)
     if shard is not None and from_list is None:
         raise UsageError("--shard needs --from-list")
     if after is not None and (from_list is not None or is_url(after)):
         raise UsageError("--after takes a local cache folder and documents given by name (not --from-list)")
-    options = dict(system=system, framing=framing, chunk_size=chunk_size, force=force, kv_bits=kv_bits, after=after,
-                   compression=compression)
     if window is not None:  # the warm server's prefill takes no window: this one runs in-process
-        options["window"], server = window, False
-    load = dict(model=model, revision=revision, device=device, dtype=dtype, trust_remote_code=trust_remote_code, weights=weights)
+        server = False
     if from_list is not None or is_url(output) or any(is_url(d) for d in docs):
-        return _prefill_corpus(out, docs, from_list, shard, output, load, options, encoding=encoding, json_out=json_out)
+        return _prefill_corpus(out, request, docs, from_list, shard, output, json_out=json_out)
     if not docs:
         raise UsageError("no document given (DOC ..., or --from-list FILE)")
     targets, folder = writing.cache_targets(docs, Path(output) if output is not None else None)
     if folder is not None:
         writing.make_folder(folder)  # the writer, here or the server, writes into it
-    # a document on stdin is prefilled in-process
-    if server is not False and "-" not in docs:
-        fields = {"docs": [[os.path.abspath(d), os.path.abspath(t)] for d, t in targets], **load, "model": served.client_model(model or os.environ.get("KVCLI_MODEL")),
-                  "encoding": encoding, **options, "after": os.path.abspath(after) if after is not None else None}
-        render = PrefillRenderer(out, targets, json_out=json_out, served=True)
-        try:
-            code = served.run(out, server, "prefill", fields, [*(d for d, _ in targets), *(str(t) for _, t in targets), model],
-                              render=render)
-        finally:
-            render.close()
+    request = replace(request, docs=tuple((str(d), str(t)) for d, t in targets))
+    if server is not False and "-" not in docs:  # a document on stdin is prefilled in-process
+        code = _served(out, request, server, json_out=json_out, spelled=model)
         if code is not None:
             return code
     from ..engine import corpus
 
-    jobs = [corpus.Job(str(d), corpus.LocalTarget(Path(t))) for d, t in targets]
-    return _run(out, jobs, [(str(d), str(t)) for d, t in targets], load, options, read=lambda doc: documents.read(doc, encoding),
-                json_out=json_out, incremental=False, upfront=True,
-                fit=lambda: _fit_check(out, model, revision, framing, system, trust_remote_code))
+    jobs = [corpus.Job(d, corpus.LocalTarget(Path(t))) for d, t in request.docs]
+    return _run(out, request, jobs, list(request.docs), json_out=json_out, read=lambda doc: documents.read(doc, encoding),
+                incremental=False, upfront=True, fit=lambda: _fit_check(out, request))
 
 
-def _run(out: Output, jobs: list, targets: list[tuple[str, str]], load: dict, options: dict, *, json_out: bool, listed: bool = False,
+def _served(out: Output, request, server: Optional[bool], *, json_out: bool, spelled: Optional[str]) -> Optional[int]:
+    """The prefill through a running server (None when none answers and none is required)."""
+    render = PrefillRenderer(out, request.docs, json_out=json_out, served=True)
+    try:
+        return served.run(out, server, request, [*(d for d, _ in request.docs), *(t for _, t in request.docs), spelled],
+                          render=render)
+    finally:
+        render.close()
+
+
+def _run(out: Output, request, jobs: list, targets: list[tuple[str, str]], *, json_out: bool, listed: bool = False,
          label: str = "", **run_options) -> int:
     """Run the jobs in-process through the one driver (events.prefill_events), the model loaded once one needs it."""
     from contextlib import contextmanager
@@ -101,26 +105,30 @@ def _run(out: Output, jobs: list, targets: list[tuple[str, str]], load: dict, op
         from ..engine import corpus
         from ..engine.model import models  # imported only now: a refused request costs no torch import
 
+        m = request.model
         with out.status("loading model"):
-            lm = models.load(**load, progress=out.note)
+            lm = models.load(m.source, revision=m.revision, device=m.device, dtype=m.dtype, trust_remote_code=m.trust_remote_code,
+                             weights=m.weights, progress=out.note)
         yield corpus.lent(lm)
 
     render = PrefillRenderer(out, targets, json_out=json_out, listed=listed, label=label)
     try:
-        return prefill_events(jobs, emit=render, model=open_model, raise_single=not listed, **options, **run_options)
+        return prefill_events(jobs, emit=render, model=open_model, raise_single=not listed, **request.options(), **run_options)
     finally:
         render.close()
 
 
-def _fit_check(out: Output, model, revision, framing, system, trust_remote_code):
+def _fit_check(out: Output, request):
     from ..engine import counting
 
+    m = request.model
     with out.status("reading tokenizer"):
-        return counting.fit_check(model, revision=revision, framing=framing, system=system, trust_remote_code=trust_remote_code)
+        return counting.fit_check(m.source, revision=m.revision, framing=request.framing, system=request.system,
+                                  trust_remote_code=m.trust_remote_code)
 
 
-def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shard: Optional[str], output: Optional[str], load: dict,
-                    options: dict, *, encoding: str, json_out: bool) -> int:
+def _prefill_corpus(out: Output, request, docs: list[str], from_list: Optional[str], shard: Optional[str], output: Optional[str], *,
+                    json_out: bool) -> int:
     """Documents from a list and/or URLs, this process's share (library: engine.corpus)."""
     from ..engine import corpus
     from ..remote import placement
@@ -136,5 +144,5 @@ def _prefill_corpus(out: Output, docs: list[str], from_list: Optional[str], shar
     if not jobs:
         out.note(f"no documents to prefill{label}")
         return 0
-    return _run(out, jobs, [(j.document, j.target.name) for j in jobs], load, options, read=placement.reader(encoding), json_out=json_out,
-                listed=True, label=label, incremental=from_list is not None)
+    return _run(out, request, jobs, [(j.document, j.target.name) for j in jobs], read=placement.reader(request.encoding),
+                json_out=json_out, listed=True, label=label, incremental=from_list is not None)

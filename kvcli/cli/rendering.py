@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..events import AnswerOut, Begin, CheckOut, Event, ItemError, Note, Prefilled, Progress, TextOut, Warn
 from .output import Output, human_bytes
 
 
@@ -40,15 +41,14 @@ def cut_note(a: dict[str, Any], label: str | None, max_new_tokens: int | None = 
     return f"kvcli: note: {which} was cut at {n} token{'s' * (n != 1)} ({cause}); it may be unfinished"
 
 
-def message(out: Output, ev: dict[str, Any]) -> None:
+def message(out: Output, ev: Event) -> None:
     """A note, warning or error event as its line on stderr (any other event: nothing)."""
-    kind = ev.get("event")
-    if kind == "note":
-        out.note(ev["message"])
-    elif kind == "warning":
-        out.warn(ev["message"])
-    elif kind == "error":
-        out.error(ev["message"], ev.get("hint"))
+    if isinstance(ev, Note):
+        out.note(ev.message)
+    elif isinstance(ev, Warn):
+        out.warn(ev.message)
+    elif isinstance(ev, ItemError):
+        out.error(ev.message, ev.hint)
 
 
 def sources_line(a: dict[str, Any]) -> str:
@@ -107,52 +107,57 @@ class AskRenderer:
             self._waiting.stop()
             self._waiting = None
 
-    def __call__(self, ev: dict[str, Any]) -> None:
-        kind, out = ev.get("event"), self.out
-        if kind != "begin":
+    def __call__(self, ev: Event) -> None:
+        if not isinstance(ev, Begin):
             self._stop_waiting()
-        if kind == "text":
-            out.write(ev["text"])
-        elif kind == "begin":
-            out.check_stdout()  # a reader that left (`| head -1`) cancels the questions still to come
-            label = self._label(ev["index"], ev["question"])
-            self._labels[ev["index"]] = ev["question"]
-            if self.several:
-                if out.stdout_terminal:
-                    out.heading(label)
-                else:
-                    out.write(separator(label, self._separated == 0))
-                self._separated += 1
-            self._stop_waiting()
-            self._waiting = out.waiting(f"working on the question ({len(ev['question']):,} characters)")
-        elif kind == "answer":
-            a = {**ev["answer"], "cache": self.caches[ev["index"]]}
-            self.answers.append(a)
-            if self.json_out:
-                out.json_line(self._record(a))
-            else:
-                if a.get("sources"):
-                    out.write("\n" + sources_line(a))
-                out.write("\0" if self.null else "\n")
-            if a.get("finish_reason") == "loop" and not self.json_out:
-                which = f"the answer to {' '.join(self._label(ev['index'], a.get('question', '')).split())!r}" if self.multiple else "the answer"
-                out.note(f"kvcli: note: {which} was ended where it began to repeat itself (--stop-loops; 0 lets it go on)")
-            elif a.get("finish_reason") == "length" and not self.json_out:  # one line: the cut, and the timing on a terminal
-                note = cut_note(a, self._label(ev["index"], a.get("question", "")) if self.multiple else None, self.max_new_tokens)
-                out.note(note + (f" ({timing(a).removesuffix(' (cut short)')})" if out.interactive else ""))
-            else:
-                out.summary(timing(a))
-        elif kind == "check":
+        if isinstance(ev, TextOut):
+            self.out.write(ev.text)
+        elif isinstance(ev, Begin):
+            self._begin(ev)
+        elif isinstance(ev, AnswerOut):
+            self._answer(ev)
+        elif isinstance(ev, CheckOut):
             if not self.json_out:
-                out.note(ev["message"])
-        elif kind == "warning":
-            if self.once is not None and ev.get("about") == "cache":
-                if ev["message"] in self.once:
-                    return
-                self.once.add(ev["message"])
-            out.warn(ev["message"])
+                self.out.note(ev.message)
+        elif isinstance(ev, Warn) and self.once is not None and ev.about == "cache":
+            if ev.message not in self.once:
+                self.once.add(ev.message)
+                self.out.warn(ev.message)
         else:
-            message(out, ev)
+            message(self.out, ev)
+
+    def _begin(self, ev: Begin) -> None:
+        out = self.out
+        out.check_stdout()  # a reader that left (`| head -1`) cancels the questions still to come
+        label = self._label(ev.index, ev.question)
+        self._labels[ev.index] = ev.question
+        if self.several:
+            if out.stdout_terminal:
+                out.heading(label)
+            else:
+                out.write(separator(label, self._separated == 0))
+            self._separated += 1
+        self._stop_waiting()
+        self._waiting = out.waiting(f"working on the question ({len(ev.question):,} characters)")
+
+    def _answer(self, ev: AnswerOut) -> None:
+        out = self.out
+        a = {**ev.answer, "cache": self.caches[ev.index]}
+        self.answers.append(a)
+        if self.json_out:
+            out.json_line(self._record(a))
+        else:
+            if a.get("sources"):
+                out.write("\n" + sources_line(a))
+            out.write("\0" if self.null else "\n")
+        if a.get("finish_reason") == "loop" and not self.json_out:
+            which = f"the answer to {' '.join(self._label(ev.index, a.get('question', '')).split())!r}" if self.multiple else "the answer"
+            out.note(f"kvcli: note: {which} was ended where it began to repeat itself (--stop-loops; 0 lets it go on)")
+        elif a.get("finish_reason") == "length" and not self.json_out:  # one line: the cut, and the timing on a terminal
+            note = cut_note(a, self._label(ev.index, a.get("question", "")) if self.multiple else None, self.max_new_tokens)
+            out.note(note + (f" ({timing(a).removesuffix(' (cut short)')})" if out.interactive else ""))
+        else:
+            out.summary(timing(a))
 
 
 class PrefillRenderer:
@@ -168,27 +173,26 @@ class PrefillRenderer:
         self._bar: Any = None  # (index, context manager, update) of the document being prefilled
         self.counts = {"built": 0, "extended": 0, "skipped": 0, "failed": 0}
 
-    def __call__(self, ev: dict[str, Any]) -> None:
-        kind, out = ev.get("event"), self.out
-        if kind == "progress":
-            if self._bar is None or self._bar[0] != ev["index"]:
+    def __call__(self, ev: Event) -> None:
+        if isinstance(ev, Progress):
+            if self._bar is None or self._bar[0] != ev.index:
                 self._close()
                 begun = sum(self.counts.values()) + 1
                 overall = (begun, len(self.targets)) if len(self.targets) > 1 else None
-                bar = out.progress(f"prefill {self.targets[ev['index']][0]}", overall=overall)
-                self._bar = (ev["index"], bar, bar.__enter__())
-            self._bar[2](ev["done"], ev["total"])
-        elif kind == "prefilled":
+                bar = self.out.progress(f"prefill {self.targets[ev.index][0]}", overall=overall)
+                self._bar = (ev.index, bar, bar.__enter__())
+            self._bar[2](ev.done, ev.total)
+        elif isinstance(ev, Prefilled):
             self._close()
-            doc, target = self.targets[ev["index"]]
-            r = {**ev["record"], "document": doc, "cache": target, "served": self.served}
-            if r["status"] == "failed":
-                r["error"] = ev.get("message", r["error"])  # a served message, spelled as the user gave the paths
-            self.report(r, ev.get("hint"))
+            doc, target = self.targets[ev.index]
+            r = {**ev.record, "document": doc, "cache": target, "served": self.served}
+            if r["status"] == "failed" and ev.message is not None:
+                r["error"] = ev.message  # a served message, spelled as the user gave the paths
+            self.report(r, ev.hint)
         else:
-            if kind == "error":
+            if isinstance(ev, ItemError):
                 self._close()
-            message(out, ev)
+            message(self.out, ev)
 
     def close(self) -> None:
         self._close()

@@ -8,29 +8,29 @@ import functools
 import os
 from typing import Optional
 
+from dataclasses import replace
+
 from ..errors import ServerError
+from ..events import from_wire
+from ..requests import AskRequest, PrefillRequest
 from .output import Output
 from .rendering import message
 
 
-def client_model(model: Optional[str]) -> Optional[str]:
-    """A --model that names a local path, made absolute for the server (a hub id stays as it is)."""
-    if model and (os.path.exists(model) or model.endswith(".gguf") or model.startswith((".", "/", "~")) or model.count("/") > 1):
-        return os.path.abspath(os.path.expanduser(model))
-    return model
-
-
-def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: list[Optional[str]], *, render=None) -> Optional[int]:
-    """Run ask/prefill on a running server (None when none answers and none is required), handing its events
+def run(out: Output, require: Optional[bool], request: AskRequest | PrefillRequest, spellings: list[Optional[str]], *,
+        render=None) -> Optional[int]:
+    """Run an ask or prefill on a running server (None when none answers and none is required), handing its events
     to `render` (cli/rendering.py: what the in-process path renders its own events with), messages with
     paths spelled as the user gave them."""
     from ..serve import client
 
+    op = "ask" if isinstance(request, AskRequest) else "prefill"
+    blend = getattr(request, "blend", None)
     where = client.socket_path()
-    conn = client.open_request(where, op, fields)
+    conn = client.open_request(where, op, request.to_wire())
     if conn is None and require is None and autostart(out, where):
-        conn = client.open_request(where, op, fields)
-    if conn is not None and fields.get("blend") is not None and conn.accepted.get("blend") is None:
+        conn = client.open_request(where, op, request.to_wire())
+    if conn is not None and blend is not None and conn.accepted.get("blend") is None:
         conn.close()  # a server that does not echo the blend would answer each cache alone: this process blends
         if require:
             raise ServerError(f"{where}: this server cannot blend caches", hint="restart it ('kvcli serve --stop'), or drop --server")
@@ -39,13 +39,7 @@ def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: 
         if require:
             raise ServerError(f"{where}: no kvcli server answers here", hint="start one with 'kvcli serve --detach', or drop --server")
         return None
-    spelled = sorted({(os.path.abspath(n), n) for n in spellings if n and os.path.abspath(n) != n}, key=lambda p: -len(p[0]))
-
-    def own(text: str) -> str:
-        for absolute, given in spelled:
-            text = text.replace(absolute, given)
-        return text
-
+    own = _spelling(spellings)
     render = render or functools.partial(message, out)
     with conn:
         for ev in conn.events():
@@ -54,10 +48,22 @@ def run(out: Output, require: Optional[bool], op: str, fields: dict, spellings: 
                 return int(ev.get("exit_code", 1))
             if kind == "fail":
                 raise client.failure(ev, own)
-            if isinstance(ev.get("message"), str):
-                ev = {**ev, "message": own(ev["message"])}
-            render(ev)
+            typed = from_wire(ev)
+            if typed is not None:
+                render(replace(typed, message=own(typed.message)) if isinstance(getattr(typed, "message", None), str) else typed)
     raise ServerError(f"{where}: the server stopped before the answer was complete")
+
+
+def _spelling(spellings: list[Optional[str]]):
+    """text -> text with the absolute paths the server names spelled as the user gave them."""
+    spelled = sorted({(os.path.abspath(n), n) for n in spellings if n and os.path.abspath(n) != n}, key=lambda p: -len(p[0]))
+
+    def own(text: str) -> str:
+        for absolute, given in spelled:
+            text = text.replace(absolute, given)
+        return text
+
+    return own
 
 
 AUTOSTART_IDLE = "10m"  # how long a server started for a shell loop stays up unused

@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..errors import UsageError
+from ..requests import ModelSpec, SessionSpec
 from ..format import store
 from .cache import restore
 from .model import fit
@@ -64,6 +67,7 @@ class Session:
                 made = bl.compose(lm, opened, blend)
                 self.cache, self._token_ids, self.framing, self.storage = made.cache, made.token_ids, made.framing, made.storage
                 self.blended = made.record()
+        self.links = tuple(link.path for o in opened for link in o.chain()[:-1])  # the bases of each cache (prefill --after)
         self.warnings = [w for o in opened for w in cache_warnings(o.manifest, lm, o.path)]
         if self.blended is not None:
             self.warnings.append(f"{' + '.join(str(o.path) for o in opened)}: {len(opened)} caches blended into one prompt, "
@@ -80,7 +84,7 @@ class Session:
         self = cls.__new__(cls)
         self.lm, self.path, self.manifest = lm, path, manifest
         self.cache, self._token_ids, self.framing, self.storage = made.cache, made.token_ids, made.framing, manifest.storage
-        self.blended, self.warnings = blended, list(warnings)
+        self.blended, self.warnings, self.links = blended, list(warnings), ()
         self._ready(time.perf_counter() if started is None else started)
         return self
 
@@ -202,38 +206,73 @@ def _provenance_warnings(manifest, lm: LoadedModel, path: Path) -> list[str]:
             "(--check measures it)"]
 
 
-class ModelPool:
-    """Loads each model once for many caches: the --model one, else the model each cache records."""
+def model_for_cache(model: ModelSpec, manifest: Any) -> ModelSpec:
+    """The model to answer a cache with: --model's (in the weights the cache was built with), else the one the
+    cache records; in the request's dtype, else the cache's."""
+    from .model import models
 
-    def __init__(self, model: str | None = None, *, revision: str | None = None, device: str = "auto",
-                 dtype: str | None = None, trust_remote_code: bool = False, progress: Callable[[str], None] | None = None):
-        self.spec, self.revision, self.device, self.dtype = model, revision, device, dtype
-        self.trust_remote_code, self.progress = trust_remote_code, progress
+    source = models.cache_source(model.source, manifest.model.get("source", {}), revision=model.revision)
+    return model.resolved(source, model.dtype or manifest.dtype)
+
+
+def load_model(model: ModelSpec, progress: Callable[[str], None] | None = None) -> LoadedModel:
+    """Load the model a resolved ModelSpec (model_for_cache) names."""
+    from .model import models
+
+    return models.load(source=dict(model.source), device=model.device, dtype=model.dtype,
+                       trust_remote_code=model.trust_remote_code, progress=progress)
+
+
+Lender = Callable[[ModelSpec], AbstractContextManager[LoadedModel]]  # a resolved ModelSpec -> a context lending its model
+
+
+def open_session(spec: SessionSpec, lend: Lender, *, where: str | None = None) -> Session:
+    """The Session for one request's cache (or blend), the one way every front end opens one: the manifests read
+    and checked against the request (a refusal loads nothing), the model lent by `lend` (ModelPool.lend in
+    process, the warm server's LRU), the shards opened once and restored. where: the cache as messages name it."""
+    from contextlib import ExitStack
+
+    paths = list(spec.caches)
+    with ExitStack() as held:
+        opened = [held.enter_context(store.open_cache(p)) for p in paths]
+        for o, p in zip(opened, paths):
+            fit.check_request(o.manifest, (where if len(paths) == 1 else None) or str(p), dtype=spec.model.dtype,
+                              convert_dtype=spec.convert_dtype)
+        with lend(model_for_cache(spec.model, opened[0].manifest)) as lm:
+            if spec.blend is None and opened[0].manifest.sections is not None:
+                return _sectioned(lm, opened[0], spec, held)
+            return Session(lm, opened if spec.blend else opened[0], convert_dtype=spec.convert_dtype,
+                           blend=spec.blend.recompute if spec.blend else None)
+
+
+def _sectioned(lm: LoadedModel, opened: store.OpenedCache, spec: SessionSpec, held: Any):
+    """A sectioned cache's session (engine/sections/session.py), its sections chosen per question as spec.sections
+    says; it holds the cache open (held lets go of it), its sections read per question."""
+    from .sections.session import SectionedSession
+
+    session = SectionedSession(lm, opened, spec.sections, session=Session, convert_dtype=spec.convert_dtype,
+                               warnings=cache_warnings(opened.manifest, lm, opened.path))
+    held.pop_all()
+    return session
+
+
+class ModelPool:
+    """Loads each model once for many caches (in process): the request's model, else the model each cache records."""
+
+    def __init__(self, model: ModelSpec | None = None, *, progress: Callable[[str], None] | None = None):
+        self.model, self.progress = model or ModelSpec(), progress
         self._loaded: dict[str, LoadedModel] = {}
 
-    def session(self, path: str | os.PathLike | Sequence[str | os.PathLike], *, where: str | None = None,
-                convert_dtype: bool = False, blend: float | None = None, sections=None):
-        """The Session for one request's cache: its manifest read and checked against the request once (a
-        refusal loads nothing), the model it needs loaded, its shards opened once and restored. where: the
-        cache as messages name it. blend: several paths blended into one prompt (Session). A sectioned cache gives a
-        SectionedSession (engine/sections/session.py), its sections chosen per question as `sections` says."""
-        from contextlib import ExitStack
+    @contextmanager
+    def lend(self, model: ModelSpec) -> Iterator[LoadedModel]:
+        """The loaded model a resolved spec names (loaded now the first time)."""
+        if model.key not in self._loaded:
+            self._loaded[model.key] = load_model(model, self.progress)
+        yield self._loaded[model.key]
 
-        paths = list(path) if isinstance(path, (list, tuple)) else [path]
-        with ExitStack() as held:
-            opened = [held.enter_context(store.open_cache(p)) for p in paths]
-            for o, p in zip(opened, paths):
-                fit.check_request(o.manifest, (where if len(paths) == 1 else None) or str(p), dtype=self.dtype,
-                                  convert_dtype=convert_dtype)
-            lm = self.for_manifest(opened[0].manifest)
-            if blend is None and opened[0].manifest.sections is not None:
-                from .sections.session import SectionedSession
-
-                session = SectionedSession(lm, opened[0], sections, session=Session, convert_dtype=convert_dtype,
-                                           warnings=cache_warnings(opened[0].manifest, lm, opened[0].path))
-                held.pop_all()  # the session holds the cache open: its sections are read per question
-                return session
-            return Session(lm, opened if blend is not None else opened[0], convert_dtype=convert_dtype, blend=blend)
+    def session(self, spec: SessionSpec, *, where: str | None = None) -> Session:
+        """open_session with this pool's models."""
+        return open_session(spec, self.lend, where=where)
 
     def fits(self, manifest, where: str, *, convert_dtype: bool = False) -> None:
         """Refuse (CacheMismatchError) a cache, by its manifest alone, that the model it would be answered
@@ -241,17 +280,16 @@ class ModelPool:
         fit.check_fits(manifest, self.for_manifest(manifest), where, convert_dtype=convert_dtype)
 
     def for_manifest(self, manifest) -> LoadedModel:
-        import json
+        with self.lend(model_for_cache(self.model, manifest)) as lm:
+            return lm
 
-        from .model import models
+    def close(self) -> None:
+        """Close every loaded model's engine (its thread ends); the models go with the pool."""
+        from .scheduling.scheduler import close_engine
 
-        dtype = self.dtype or manifest.dtype
-        source = models.cache_source(self.spec, manifest.model.get("source", {}), revision=self.revision)
-        key = json.dumps([source, dtype], sort_keys=True)
-        if key not in self._loaded:
-            self._loaded[key] = models.load(source=source, device=self.device, dtype=dtype,
-                                            trust_remote_code=self.trust_remote_code, progress=self.progress)
-        return self._loaded[key]
+        for lm in self._loaded.values():
+            close_engine(lm)
+        self._loaded.clear()
 
 
 def ask(lm: LoadedModel, cache: str | os.PathLike | Sequence[str | os.PathLike], questions: Sequence[str],

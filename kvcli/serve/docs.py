@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..requests import Blend, ModelSpec, SessionSpec
+
 def _nothing() -> None:
     pass
 
@@ -42,7 +44,7 @@ class Provider(Protocol):
 
         The caller calls `release()` on the result once, when it no longer uses the session."""
 
-    def open_blend(self, model_ids: Sequence[str], recompute: float) -> Opened | None:
+    def open_blend(self, model_ids: Sequence[str], blend: Blend) -> Opened | None:
         """The Session of these caches blended into one prompt (None if an id names no cache); as open()."""
 
 
@@ -86,7 +88,7 @@ class WarmProvider:
     def __init__(self, warm: Any, folders: Sequence[str | os.PathLike], *, on_use: Callable[[], None] = _nothing,
                  model: str | None = None, device: str = "auto", dtype: str | None = None):
         self.warm, self.folders, self.on_use = warm, [Path(f) for f in folders], on_use  # on_use: activity (idle timeout)
-        self._open_args = dict(model=model, device=device, dtype=dtype)
+        self.model = ModelSpec(model, device=device, dtype=dtype)
 
     def models(self) -> list[tuple[str, dict[str, Any]]]:
         return catalog_ids(self.folders)
@@ -97,16 +99,17 @@ class WarmProvider:
             return None
         return self._lend(path)
 
-    def open_blend(self, model_ids: Sequence[str], recompute: float) -> Opened | None:
+    def open_blend(self, model_ids: Sequence[str], blend: Blend) -> Opened | None:
         paths = [resolve(self.folders, i) for i in model_ids]
         if any(p is None for p in paths):
             return None
-        return self._lend(tuple(paths), blend=recompute)
+        return self._lend(tuple(paths), blend=blend)
 
-    def _lend(self, path: Path | tuple, blend: float | None = None) -> Opened:
+    def _lend(self, path: Path | tuple, blend: Blend | None = None) -> Opened:
         self.on_use()
         self.warm.count("http_requests")
-        held = self.warm.session(path, **self._open_args, blend=blend)
+        caches = tuple(str(p) for p in path) if isinstance(path, tuple) else (str(path),)
+        held = self.warm.session(SessionSpec(caches, self.model, blend=blend))
         lease = held.__enter__()  # CacheError here: nothing is held
 
         def release() -> None:

@@ -108,116 +108,47 @@ class Connection:
             pass
 
 
-def _options(req: dict[str, Any]):
-    """The request's generation options, checked as the CLI checks its own (kvcli/generation.py): a bad
-    value is the CLI's message and exit 2, never a silent reinterpretation (a string `stop`)."""
-    from ..engine.answer import GenerationOptions
-    from ..generation import check_options
-
-    o = req.get("options") or {}
-    if not isinstance(o, dict):
-        raise protocol.ProtocolError("options must be an object")
-    return GenerationOptions(**check_options(o))
-
-
-def _strings(req: dict[str, Any], name: str) -> list[str]:
-    value = req.get(name)
-    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
-        raise protocol.ProtocolError(f"{name} must be a non-empty list of strings")
-    return value
-
-
-def _history(req: dict[str, Any], session: Any) -> list[tuple[str, str]]:
-    """The conversation the questions follow: `history` ([[question, answer], ...]) or `follow_up` (an
-    `ask --json` answer, checked against this cache as the in-process `ask --follow-up` does)."""
-    from ..engine.prompt import conversation
-
-    if req.get("follow_up") is not None:
-        return conversation.from_answer_json(req["follow_up"], session.token_ids, str(req.get("follow_up_name") or "--follow-up"))
-    history = req.get("history") or []
-    if not isinstance(history, list) or not all(isinstance(h, list) and len(h) == 2 and all(isinstance(t, str) for t in h) for h in history):
-        raise protocol.ProtocolError("history must be a list of [question, answer] pairs")
-    return [(q, a) for q, a in history]
-
-
 def ask(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     """Answer every question from every cache with the events the in-process `kvcli ask` renders (kvcli/events.py);
     returns the exit code. The questions join their model's engine with everyone else's."""
     from ..events import ask_events
+    from ..requests import AskRequest
 
-    from ..generation import check_trust
-
-    caches, questions = _strings(req, "caches"), _strings(req, "questions")
-    opts = _options(req)
-    blend = req.get("blend")
-    if blend is not None:
-        from ..engine.cache.blend import check_fraction
-
-        if isinstance(blend, bool) or not isinstance(blend, (int, float)):
-            raise protocol.ProtocolError("blend must be a fraction from 0 to 1")
-        blend = check_fraction(blend)
-    check_trust(req.get("trust_remote_code"), req.get("model"))
-    batch_size = req.get("batch_size")
-    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1):
-        raise protocol.ProtocolError("batch_size must be a whole number of at least 1")
-
-    def note(message: str) -> None:
-        conn.send(protocol.event("note", message=message))
-
-    def open_session(path: str):
-        return warm.session(path, model=req.get("model"), revision=req.get("revision"), device=req.get("device") or "auto",
-                            dtype=req.get("dtype"), trust_remote_code=bool(req.get("trust_remote_code")),
-                            convert_dtype=bool(req.get("convert_dtype")), progress=note, blend=blend)
-
-    def emit(ev: dict[str, Any]) -> None:
-        conn.send(protocol.event(ev.pop("event"), **ev))
-
-    return ask_events(open_session, caches, questions, opts, emit=emit, history_for=lambda lease: _history(req, lease.session),
-                      batch_size=batch_size, stream=bool(req.get("stream", True)), watch=conn.watch, blend=blend is not None)
+    request = AskRequest.from_wire(req)
+    emit = _Emitter(conn)
+    return ask_events(request, lambda spec: warm.session(spec, progress=emit.note), emit=emit, watch=conn.watch)
 
 
 def prefill(conn: Connection, warm: Warm, req: dict[str, Any]) -> int:
     """Prefill every document into its cache with the warm model, as cli.prefill does in-process."""
     from .. import documents
-    from ..format import manifest as mf
-
-    pairs = req.get("docs")
-    if not isinstance(pairs, list) or not pairs or not all(isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in pairs):
-        raise protocol.ProtocolError("docs must be a non-empty list of [document, cache] paths")
-    kv_bits = mf.check_kv_bits(req.get("kv_bits"), "kv_bits")
-    after = req.get("after")
-    if after is not None and not isinstance(after, str):
-        raise protocol.ProtocolError("after must be a cache path")
-    compression = req.get("compression")
-    if compression not in (None, "small", "fast"):
-        raise protocol.ProtocolError("compression must be small or fast")
-    from ..engine import corpus
+    from ..engine import corpus, counting
     from ..events import prefill_events
+    from ..requests import PrefillRequest
 
-    def note(message: str) -> None:
-        conn.send(protocol.event("note", message=message))
+    request = PrefillRequest.from_wire(req)
+    emit, m = _Emitter(conn), request.model
 
-    def open_model():
-        return warm.model(req.get("model"), revision=req.get("revision"), device=req.get("device") or "auto",
-                          dtype=req.get("dtype") or "auto", trust_remote_code=bool(req.get("trust_remote_code")), progress=note,
-                          weights=req.get("weights") or None)
+    def fit():  # a document too long for the requested model is refused from its tokenizer and config, before any load
+        return counting.fit_check(m.source, revision=m.revision, framing=request.framing, system=request.system,
+                                  trust_remote_code=m.trust_remote_code)
 
-    def emit(ev: dict[str, Any]) -> None:
-        conn.send(protocol.event(ev.pop("event"), **ev))
-
-    return prefill_events([corpus.Job(d, corpus.LocalTarget(Path(t))) for d, t in pairs], emit=emit, model=open_model,
-                          read=lambda doc: documents.read(doc, req.get("encoding") or "utf-8"), incremental=False, upfront=True,
-                          fit=lambda: _fit_check(req), cancelled=conn.cancelled, system=req.get("system"),
-                          framing=req.get("framing") or "auto", chunk_size=req.get("chunk_size"), force=bool(req.get("force")),
-                          kv_bits=kv_bits, after=after, compression=compression)
+    return prefill_events([corpus.Job(d, corpus.LocalTarget(Path(t))) for d, t in request.docs], emit=emit,
+                          model=lambda: warm.model(m, progress=emit.note), read=lambda doc: documents.read(doc, request.encoding),
+                          incremental=False, upfront=True, fit=fit, cancelled=conn.cancelled, **request.options())
 
 
-def _fit_check(req: dict[str, Any]):
-    """A document too long for the requested model is refused from its tokenizer and config, before any load."""
-    from ..engine import counting
+class _Emitter:
+    """Events to the client as JSON lines (note: a progress line of the server's own)."""
 
-    return counting.fit_check(req.get("model"), revision=req.get("revision"), framing=req.get("framing") or "auto",
-                              system=req.get("system"), trust_remote_code=bool(req.get("trust_remote_code")))
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def __call__(self, ev: Any) -> None:
+        self.conn.send(protocol.encode(ev.to_wire()))
+
+    def note(self, message: str) -> None:
+        self.conn.send(protocol.event("note", message=message))
 
 
 def _control(conn: Connection, op: str, status: Callable[[], dict[str, Any]], stop: Callable[[], None]) -> None:

@@ -35,6 +35,7 @@ from ..generation import DEFAULT_HTTP_MAX_TOKENS
 from . import openai_api as oa
 from .docs import DocsProvider, Opened, Provider
 from .protocol import MAX_LINE
+from ..requests import Blend
 from .guard import LOOPBACK_NAMES, allowed_hosts, check_bind, check_origins, is_loopback, parse_address, scrub  # noqa: F401
 from ..engine.scheduling.requests import Cancelled, EngineClosed
 
@@ -130,10 +131,10 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
 
         return wrapped
 
-    async def open_model(model_id: str, documents: list[str] | None = None, recompute: float | None = None) -> Opened:
+    async def open_model(model_id: str, documents: list[str] | None = None, blend: Blend | None = None) -> Opened:
         try:
             if documents is not None:  # several caches blended into one prompt (engine/cache/blend.py)
-                opened = await run_in_threadpool(provider.open_blend, documents, recompute)
+                opened = await run_in_threadpool(provider.open_blend, documents, blend)
             else:
                 opened = await run_in_threadpool(provider.open, model_id)
         except CacheError as exc:
@@ -183,7 +184,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
         except ValueError:
             raise oa.ApiError(400, "the request body is not valid JSON") from None
         req = oa.parse_chat(body, max_tokens=max_tokens)
-        opened = await open_model(req.model, req.documents, req.recompute)
+        opened = await open_model(req.model, req.documents, req.blend)
         release = _once(opened.release)
         try:
             session = opened.session
@@ -195,8 +196,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
                 prompt = await run_in_threadpool(session.prompt_ids, req.question, req.history)
             except KvcliError as exc:  # a chat template that cannot hold a conversation
                 raise oa.ApiError(400, hidden(str(exc)), param="messages") from None
-            opts = an.GenerationOptions(max_new_tokens=req.max_tokens or min(an.DEFAULT_MAX_NEW_TOKENS, max_tokens), temperature=req.temperature,
-                                        top_p=req.top_p, seed=req.seed, stop=req.stop)
+            opts = req.options
             try:
                 an.prompt_room(session.lm, prompt, opts)
             except PromptTooLongError as exc:

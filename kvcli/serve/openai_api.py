@@ -14,7 +14,8 @@ from typing import Any
 
 from ..engine.prompt import conversation
 from ..errors import ConversationError
-from ..generation import OptionError, check_options
+from ..generation import DEFAULT_MAX_NEW_TOKENS, GenerationOptions, OptionError, check_options
+from ..requests import Blend
 
 BLEND_MODEL = "kvcli-blend"  # the model id a request blending `documents` may name instead of the first document
 HTTP_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop"}
@@ -35,19 +36,21 @@ class ApiError(Exception):
 
 @dataclass
 class ChatRequest:
+    """A checked chat-completions body: the conversation, its generation options, and kvcli's blend fields."""
+
     model: str
     system: str | None
     history: list[conversation.Exchange]
     question: str
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
+    options: GenerationOptions
     stream: bool
     include_usage: bool
     documents: list[str] | None = None  # caches blended into one prompt, in order (kvcli's field; `model` is BLEND_MODEL or the first)
-    recompute: float | None = None  # with documents: the share of each later document recomputed
+    blend: Blend | None = None  # with documents: the share of each later document recomputed
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return tuple(self.options.stop)
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -87,6 +90,7 @@ def parse_chat(body: Any, *, max_tokens: int | None = None) -> ChatRequest:
         checked = check_options({"max_new_tokens": body.get(token_field), "temperature": temperature,
                                  "top_p": body.get("top_p"), "seed": body.get("seed"), "stop": stop}, names,
                                 max_new_tokens_cap=max_tokens)
+        checked.setdefault("max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, max_tokens or DEFAULT_MAX_NEW_TOKENS))
     except OptionError as exc:
         param = names.get(exc.field, exc.field)
         raise ApiError(400, str(exc), param=param,
@@ -105,19 +109,15 @@ def parse_chat(body: Any, *, max_tokens: int | None = None) -> ChatRequest:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("response_format", "only {\"type\": \"text\"} is supported")
-    documents, recompute = _documents(body, model)
+    documents, blend = _documents(body, model)
     if documents is not None and history:
         raise _bad("documents", "a blended prompt answers one question: send the question without earlier turns")
-    return ChatRequest(model=model, system=system, history=history, question=question, documents=documents, recompute=recompute,
-                       max_tokens=checked.get("max_new_tokens"), temperature=checked.get("temperature") or 0.0,
-                       top_p=checked.get("top_p", 1.0), seed=checked.get("seed"), stop=checked.get("stop", ()),
-                       stream=bool(stream), include_usage=bool(options.get("include_usage")))
+    return ChatRequest(model=model, system=system, history=history, question=question, documents=documents, blend=blend,
+                       options=GenerationOptions(**checked), stream=bool(stream), include_usage=bool(options.get("include_usage")))
 
 
-def _documents(body: dict, model: str) -> tuple[list[str] | None, float | None]:
+def _documents(body: dict, model: str) -> tuple[list[str] | None, Blend | None]:
     """kvcli's `documents` (cache ids blended into one prompt, in order) and `recompute` fields, checked."""
-    from ..engine.cache.blend import DEFAULT_RECOMPUTE
-
     documents, recompute = body.get("documents"), body.get("recompute")
     if documents is None:
         if recompute is not None:
@@ -128,7 +128,7 @@ def _documents(body: dict, model: str) -> tuple[list[str] | None, float | None]:
     if model not in (BLEND_MODEL, documents[0]):
         raise _bad("model", f"with documents: '{BLEND_MODEL}' or the first document's id")
     fraction = _number(body, "recompute", 0, 1)
-    return documents, DEFAULT_RECOMPUTE if fraction is None else fraction
+    return documents, Blend() if fraction is None else Blend(fraction)
 
 
 def model_entry(model_id: str, row: dict[str, Any], scrub=lambda text: text) -> dict[str, Any]:

@@ -39,6 +39,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..requests import ProtocolError  # noqa: F401  (a message that is not valid JSON lines of this protocol version)
+
 PROTOCOL_VERSION = 2
 MAX_LINE = 4 << 20  # longest request line the server reads (bytes); longer ones are refused
 MAX_EVENT_LINE = 64 << 20  # longest event line a client accepts (an answer with every prompt id)
@@ -46,8 +48,6 @@ SOCKET_NAME = "kvcli.sock"
 OPS = ("ping", "status", "stop", "ask", "prefill")
 
 
-class ProtocolError(Exception):
-    """A message that is not valid JSON lines of this protocol version."""
 
 
 def encode(obj: dict[str, Any]) -> bytes:

@@ -3,9 +3,9 @@
 Used by the unix-socket server (server.py) and meant for any other front end (an HTTP server):
 
     warm = Warm(max_memory=8 << 30)
-    with warm.session("doc.kv") as lease:              # loads the model and restores the cache once
+    with warm.session(SessionSpec(("doc.kv",))) as lease:   # loads the model and restores the cache once
         answer = lease.ask("Who signed it?", GenerationOptions(max_new_tokens=64))
-    with warm.model() as held:                          # the model alone (prefill: chunks take the engine's turn)
+    with warm.model(ModelSpec()) as held:                  # the model alone (prefill: chunks take the engine's turn)
         prefill(held.lm, ...)
     warm.status()                                       # what `kvcli ps` shows
 
@@ -23,17 +23,17 @@ starts or an answer completes, and whenever a request ends.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from . import memory
+from ..requests import ModelSpec, SessionSpec
 
 Note = Callable[[str], None]
 
@@ -75,6 +75,10 @@ class Lease:
     @property
     def warnings(self) -> list[str]:
         return self.session.warnings
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.session.token_ids
 
     def check_prompt(self, question: str, history: Any = (), options: Any = None) -> tuple[list[int], int]:
         return self.session.check_prompt(question, history, options)
@@ -128,23 +132,15 @@ class Warm:
 
     # ---- public API
     @contextmanager
-    def session(self, cache: str | os.PathLike | tuple, *, model: str | None = None, revision: str | None = None,
-                device: str = "auto", dtype: str | None = None, trust_remote_code: bool = False,
-                convert_dtype: bool = False, progress: Note | None = None, blend: float | None = None) -> Iterator[Lease]:
-        """Lend the Session for `cache` (restored now if not held or replaced since), as ModelPool + Session would.
-        blend: `cache` is a tuple of caches blended into one prompt (engine/cache/blend.py), held as one entry
-        (restored again when any of them is replaced)."""
-        paths = tuple(Path(os.path.abspath(c)) for c in cache) if blend is not None else Path(os.path.abspath(cache))
-        what = ["blend", [str(p) for p in paths], blend] if blend is not None else ["cache", str(paths)]
-        request = json.dumps([*what, model, revision, device, dtype, trust_remote_code, convert_dtype])
-        entry = self._fresh_cache(request, paths)
+    def session(self, spec: SessionSpec, *, progress: Note | None = None) -> Iterator[Lease]:
+        """Lend the Session for `spec` (opened now by engine.answer.open_session if not held, or replaced since).
+        A blend is held as one entry, opened again when any of its caches is replaced."""
+        spec = replace(spec, caches=tuple(os.path.abspath(c) for c in spec.caches))
+        paths = tuple(Path(c) for c in spec.caches) if spec.blend else Path(spec.caches[0])
+        entry = self._fresh_cache(spec.key, paths)
         if entry is None:
-            with self._load_turn(request):
-                entry = self._fresh_cache(request, paths)
-                if entry is None:
-                    entry = self._restore(request, paths, model=model, revision=revision, device=device, dtype=dtype,
-                                          trust_remote_code=trust_remote_code, convert_dtype=convert_dtype, progress=progress,
-                                          blend=blend)
+            with self._load_turn(spec.key):
+                entry = self._fresh_cache(spec.key, paths) or self._restore(spec, paths, progress)
         try:
             with self._mutex:
                 model_entry = self._entries[entry.model_key]
@@ -158,21 +154,9 @@ class Warm:
             self._release(entry)
 
     @contextmanager
-    def model(self, model: str | None = None, *, revision: str | None = None, device: str = "auto", dtype: str = "auto",
-              trust_remote_code: bool = False, progress: Note | None = None, weights: str | None = None) -> Iterator[HeldModel]:
+    def model(self, model: ModelSpec, *, progress: Note | None = None) -> Iterator[HeldModel]:
         """Lend a loaded model (loaded now if not held), as models.load(model, ...) would load it."""
-        from ..engine.model import models
-
-        request = json.dumps(["model", model or os.environ.get("KVCLI_MODEL"), revision, device, dtype, trust_remote_code, weights])
-        entry = self._take(self._alias.get(request, request))
-        if entry is None:
-            with self._load_turn(request):
-                entry = self._take(self._alias.get(request, request))
-                if entry is None:
-                    source = models.resolve(model, revision=revision)
-                    if weights is not None:  # else the source's default (models.default_weights)
-                        source["weights"] = weights  # models.load checks it
-                    entry = self._load_model(request, source, device, dtype, trust_remote_code, progress)
+        entry = self._held_model(model, progress)
         try:
             yield HeldModel(self, entry)
         finally:
@@ -287,60 +271,61 @@ class Warm:
                 return None
         return self._take(key)
 
-    def _restore(self, key: str, path: Path | tuple, *, model, revision, device, dtype, trust_remote_code, convert_dtype, progress,
-                 blend: float | None = None) -> _Entry:
-        from contextlib import ExitStack
-
+    def _restore(self, spec: SessionSpec, path: Path | tuple, progress: Note | None) -> _Entry:
         from ..engine import answer as an
-        from ..engine.model import models
-        from ..format import store
 
-        paths = list(path) if isinstance(path, tuple) else [path]
         try:
             identity = _identity(path)  # taken before reading: a replace after this is caught next time
         except OSError:
             identity = ()
-        from ..engine.model import fit
+        lent: list[_Entry] = []
 
-        with ExitStack() as held:  # read once: the shards go to the Session's restore
-            opened = [held.enter_context(store.open_cache(p)) for p in paths]
-            for o, p in zip(opened, paths):
-                fit.check_request(o.manifest, str(p), dtype=dtype, convert_dtype=convert_dtype)  # refused: nothing loads
-            manifest = opened[0].manifest
-            want = dtype or manifest.dtype
-            source = models.cache_source(model, manifest.model.get("source", {}), revision=revision)
-            mkey = json.dumps(["model", source, device, want, trust_remote_code], sort_keys=True)
-            model_entry = self._take(self._alias.get(mkey, mkey))
-            if model_entry is None:
-                with self._load_turn(mkey):
-                    model_entry = self._take(self._alias.get(mkey, mkey))
-                    if model_entry is None:
-                        model_entry = self._load_model(mkey, source, device, want, trust_remote_code, progress)
-            links = tuple(link.path for o in opened for link in o.chain()[:-1])  # the bases of each cache (a chain's links)
-            identity = (identity, *(_identity_or_none(p) for p in links))
-            try:
-                session = an.Session(model_entry.obj, opened if blend is not None else opened[0], convert_dtype=convert_dtype,
-                                     blend=blend)
-                info = {"path": " + ".join(str(p) for p in paths), "model": model_entry.info["name"],
-                        "num_tokens": len(session.token_ids), "dtype": manifest.dtype, "load_s": round(session.load_s, 4)}
-                entry = _Entry(key, "cache", session, session.nbytes(), info, identity=identity, links=links, model_key=model_entry.key,
-                               users=1, measure=session.nbytes)
-                with self._mutex:
-                    self._entries[key] = entry
-                    self._evict()
-                return entry
-            finally:
-                self._release(model_entry)
+        @contextmanager
+        def lend(model: ModelSpec):
+            lent.append(self._held_model(model, progress, resolved=True))
+            yield lent[0].obj
 
-    def _load_model(self, key: str, source: dict, device: str, dtype: str, trust_remote_code: bool, progress: Note | None) -> _Entry:
+        try:
+            session = an.open_session(spec, lend)
+            model_entry = lent[0]
+            info = {"path": " + ".join(spec.caches), "model": model_entry.info["name"], "num_tokens": len(session.token_ids),
+                    "dtype": session.manifest.dtype, "load_s": round(session.load_s, 4)}
+            identity = (identity, *(_identity_or_none(p) for p in session.links))
+            entry = _Entry(spec.key, "cache", session, session.nbytes(), info, identity=identity, links=session.links,
+                           model_key=model_entry.key, users=1, measure=session.nbytes)
+            with self._mutex:
+                self._entries[spec.key] = entry
+                self._evict()
+            return entry
+        finally:
+            for e in lent:
+                self._release(e)
+
+    def _held_model(self, model: ModelSpec, progress: Note | None, *, resolved: bool = False) -> _Entry:
+        """The model's entry, taken for one user (loaded now if not held). resolved: the spec's source is a source
+        record (engine.answer.model_for_cache), else --model as given."""
+        key = model.key
+        entry = self._take(self._alias.get(key, key))
+        if entry is None:
+            with self._load_turn(key):
+                entry = self._take(self._alias.get(key, key)) or self._load_model(key, model, progress, resolved=resolved)
+        return entry
+
+    def _load_model(self, key: str, model: ModelSpec, progress: Note | None, *, resolved: bool) -> _Entry:
         """Load a model and hold it under its canonical key (the source, the device and the dtype it got)."""
+        from ..engine import answer as an
         from ..engine.model import models
         from ..engine.scheduling.scheduler import engine_for
         from ..format.codec import dtype_name
 
-        lm = models.load(source=source, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=progress)
+        if not resolved:
+            source = models.resolve(model.source, revision=model.revision)
+            if model.weights is not None:  # else the source's default (models.default_weights)
+                source["weights"] = model.weights  # models.load checks it
+            model = model.resolved(source, model.dtype)
+        lm = an.load_model(model, progress)
         engine = engine_for(lm, width=self.batch_size)  # rows per document on this model: the server's --batch-size
-        canonical = json.dumps(["model", lm.source, device, dtype_name(lm.dtype), trust_remote_code], sort_keys=True)
+        canonical = ModelSpec(lm.source, None, model.device, dtype_name(lm.dtype), model.trust_remote_code).key
         with self._mutex:
             self._alias[key] = canonical
             existing = self._entries.get(canonical)

@@ -45,6 +45,7 @@ from kvcli.engine.model import models, paging
 from kvcli.engine.cache import restore
 from kvcli.engine.scheduling import probe
 from kvcli.format import store
+from kvcli.requests import ModelSpec
 t = mark("import kvcli engine", t)
 
 def timed(name, fn):
@@ -64,7 +65,7 @@ AutoModelForCausalLM.from_pretrained = classmethod(lambda cls, *a, **k: timed("w
 
 cache, model = sys.argv[1], (sys.argv[2] or None)
 s = time.perf_counter()
-pool = an.ModelPool(model=model)
+pool = an.ModelPool(ModelSpec(model))
 lm = pool.for_manifest(store.read_manifest(cache))
 marks.append(("load() in all", time.perf_counter() - s))
 ready = time.perf_counter() - t0

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...requests import DEFAULT_RECOMPUTE, Blend  # noqa: F401  (DEFAULT_RECOMPUTE: this module's name for it)
 from ...errors import BlendError, CacheMismatchError, PromptTooLongError, UsageError
 from ..model.fingerprint import text_config
 from ..prompt import framing as fr
@@ -30,7 +31,6 @@ from . import layers as ly
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")  # rotate_half rotary over the whole head, proven by tests/test_blend.py
 SUPPORTED_ROPE = ("default", "linear", "llama3")  # frequencies fixed per position: R(p + d) = R(d) R(p) holds
-DEFAULT_RECOMPUTE = 0.15  # share of each later document recomputed (docs/composing.md, the measured curve)
 
 
 @dataclass
@@ -57,9 +57,7 @@ class Blended:
 
 
 def check_fraction(recompute: float) -> float:
-    if not isinstance(recompute, (int, float)) or math.isnan(recompute) or not 0.0 <= recompute <= 1.0:
-        raise UsageError(f"--recompute {recompute}: give a fraction from 0 (only the glue) to 1 (exact)")
-    return float(recompute)
+    return Blend(recompute).recompute
 
 
 def check_supported(lm: Any) -> None:

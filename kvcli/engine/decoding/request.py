@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...errors import PromptTooLongError
-from ...generation import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS  # noqa: F401  (the engine's names for them)
+from ...generation import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS, GenerationOptions  # noqa: F401  (the engine's names for them)
 from ..check import Check
 
 
@@ -47,20 +47,6 @@ class Answer:
             if body[key] is None:
                 del body[key]
         return body
-
-
-@dataclass
-class GenerationOptions:
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: Sequence[str] = field(default_factory=tuple)
-    # generate()'s own anti-repetition settings; like generate() they see every prompt id (document included).
-    repetition_penalty: float = 1.0  # 1.0: off; >1 makes tokens already seen less likely
-    no_repeat_ngram_size: int = 0  # 0: off; n>0 never repeats an n-gram of the prompt or answer
-    # n>0 ends an answer ("loop") once its last n ids have come three times in it; the ids before are unchanged
-    stop_loops: int = 0
 
 
 def prompt_room(lm: Any, prompt: Sequence[int], opts: GenerationOptions) -> int:

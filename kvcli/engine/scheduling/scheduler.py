@@ -386,3 +386,11 @@ def engine_for(lm: Any, width: int | None = None) -> Engine:
         if width is not None:
             engine.width = width
         return engine
+
+
+def close_engine(lm: Any) -> None:
+    """Close the model's engine (if it has one) and forget it: its thread ends and it no longer holds the model."""
+    with _engines_lock:
+        engine = _engines.pop(id(lm), None)
+    if engine is not None:
+        engine.close()
