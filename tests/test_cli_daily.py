@@ -309,3 +309,37 @@ def test_stop_loops_is_on_by_default_on_the_command_line_and_checked(cache_dir, 
     assert default["answer_token_ids"] == explicit["answer_token_ids"]
     assert_clean_error(run("ask", "-c", tmp_path / "none.kv", "--stop-loops", "-1", "--no-server", "Q?"), 2,
                        "--stop-loops", "at least 0")
+
+
+# ---- kvcli serve beside the warm server a command started by itself
+
+
+def test_serve_takes_the_place_of_an_autostarted_server_and_names_the_way_past_a_users(tmp_path):
+    import threading
+
+    from kvcli.serve import client
+    from kvcli.serve.server import Server
+    from kvcli.serve.warm import Warm
+    from tests.serve_helpers import short_dir
+
+    sock = short_dir() / "s.sock"
+    auto = Server(sock, Warm(), autostarted=True)  # what `ask` starts on its own, here in a thread
+    auto.start(preload=False)
+    thread = threading.Thread(target=auto.serve_forever, daemon=True)
+    thread.start()
+    assert client.call(sock, "status")["status"]["autostarted"] is True
+    started = run("serve", "--detach", "--socket", sock)
+    try:
+        assert started.exit_code == 0, started.stderr
+        thread.join(30)
+        assert not thread.is_alive()  # the autostarted one stopped
+        pid = int(started.stdout.strip())
+        assert "stopped the warm server that a command started by itself" in started.stderr
+        status = client.call(sock, "status")["status"]
+        assert status["pid"] == pid and status["autostarted"] is False
+        again = run("serve", "--detach", "--socket", sock)  # a server the user started is never stopped for another
+        assert_clean_error(again, 1, str(sock), f"already running here (pid {pid})")
+        assert "hint: 'kvcli serve --stop' stops it (then run this again), or --socket PATH starts one beside it" in again.stderr
+        assert client.call(sock, "status")["status"]["pid"] == pid
+    finally:
+        run("serve", "--stop", "--socket", sock)

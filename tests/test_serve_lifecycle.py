@@ -134,11 +134,15 @@ def test_detach_and_idle_timeout(life, monkeypatch):
 
 def test_detach_says_why_the_server_exited(monkeypatch):
     sock = short_dir() / "kv.sock"
-    running = ThreadServer(sock)  # holds the socket's lock: a second server exits at once, saying why in serve.log
+    sock.write_text("not a socket")  # the detached server exits at once, saying why in serve.log
+    result = run("serve", "--detach", "--socket", sock)
+    line = assert_clean_error(result, 1, "exited with code 1 before answering", "exists and is not a socket")
+    assert line.count(str(sock)) == 1 and "remove it or choose another --socket" in line
+    running = ThreadServer(short_dir() / "kv.sock")  # a server the user started: refused before anything starts
     try:
-        result = run("serve", "--detach", "--socket", sock)
-        line = assert_clean_error(result, 1, "exited with code 1 before answering", f"already running here (pid {os.getpid()})")
-        assert line.count(str(sock)) == 1 and "hint: kvcli serve --stop stops it" in result.stderr
+        result = run("serve", "--detach", "--socket", running.path)
+        assert_clean_error(result, 1, f"already running here (pid {os.getpid()})")
+        assert "hint: 'kvcli serve --stop' stops it" in result.stderr
     finally:
         running.close()
 

@@ -28,6 +28,7 @@ def serve(
     batch_size: Annotated[int, typer.Option(min=1, metavar="N", help="Questions on one document decoded together, from any clients (1: one at a time).")] = DEFAULT_BATCH,
     allow_host: Annotated[list[str], typer.Option("--allow-host", metavar="NAME", show_default=False, help="Also answer HTTP requests whose Host header is NAME (repeatable; default: loopback names and the bound address only).")] = [],  # noqa: B006
     allow_origin: Annotated[list[str], typer.Option("--allow-origin", metavar="ORIGIN", show_default=False, help="Let web pages from ORIGIN (e.g. https://app.example.org) call the HTTP endpoint (repeatable; default: none).")] = [],  # noqa: B006
+    autostarted: Annotated[bool, typer.Option("--autostarted", hidden=True, help="Started by a command for the ones after it: a later `kvcli serve` takes its place.")] = False,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, metavar="N", help="Most answer tokens one HTTP request may ask for (max_tokens); a request asking for more is refused with HTTP 400.")] = DEFAULT_HTTP_MAX_TOKENS,
     quiet: QuietOpt = False,
 ) -> int:
@@ -58,8 +59,13 @@ def serve(
             raise ServerError(f"{path}: no kvcli server answers here")
         out.note(f"stopped the server on {path} (pid {pid})")
         return 0
+    if not autostarted:  # the warm server a command started by itself gives way; one the user started is named
+        replaced = sv.take_over(path)
+        if replaced is not None:
+            out.note(f"kvcli: note: stopped the warm server that a command started by itself (pid {replaced}); this one takes its place")
     if detach:
         args = (["--max-memory", max_memory] if max_memory else []) + (["--idle-timeout", idle_timeout] if idle_timeout else [])
+        args += ["--autostarted"] if autostarted else []
         args += ["--batch-size", str(batch_size)]
         if http_at:
             args += ["--http", http_at, *[a for d in docs for a in ("--docs", str(d))], "--max-tokens", str(max_tokens)]
@@ -72,7 +78,7 @@ def serve(
         return 0
     from ..serve.warm import Warm
 
-    server = sv.Server(path, Warm(size, batch_size=batch_size), idle_timeout=idle, log=out.note)
+    server = sv.Server(path, Warm(size, batch_size=batch_size), idle_timeout=idle, log=out.note, autostarted=autostarted)
     with out.status("starting"):
         server.start()
     web = None

@@ -93,7 +93,7 @@ def autostart(out: Output, where) -> bool:
     with sv.start_lock(where):
         if client.ping(where, timeout=2.0):
             return True
-        pid = sv.detach(where, ["--idle-timeout", idle], cwd="/")
+        pid = sv.detach(where, ["--idle-timeout", idle, "--autostarted"], cwd="/")
     out.note(f"kvcli: note: started a warm server (pid {pid}; it exits after {idle} unused; 'kvcli serve --stop' stops it, "
              f"--no-server or KVCLI_AUTOSTART=0 keeps a command in-process)")
     return True

@@ -47,8 +47,10 @@ def _heavy_imports() -> None:
 class Server:
     """Bind with start(), run with serve_forever() (in the main thread for signals), end with stop()."""
 
-    def __init__(self, path: str | os.PathLike, warm: Warm | None = None, *, idle_timeout: float | None = None, log: Log | None = None):
+    def __init__(self, path: str | os.PathLike, warm: Warm | None = None, *, idle_timeout: float | None = None, log: Log | None = None,
+                 autostarted: bool = False):
         self.path = Path(os.path.abspath(path))
+        self.autostarted = autostarted  # started by a command for the ones after it (kvcli serve may take its place)
         self.warm = warm or Warm()
         self.idle_timeout = idle_timeout
         self.log = log or (lambda message: None)
@@ -150,7 +152,8 @@ class Server:
             active = len(self._active - {threading.current_thread()})  # not counting the one asking
         return {"pid": os.getpid(), "socket": str(self.path), "version": __version__, "protocol": protocol.PROTOCOL_VERSION,
                 "started": self.started, "uptime_s": round(time.time() - self.started, 3), "active": active,
-                "idle_timeout": self.idle_timeout, "addresses": dict(self.addresses), **self.warm.status(), **self.counters()}
+                "idle_timeout": self.idle_timeout, "autostarted": self.autostarted, "addresses": dict(self.addresses),
+                **self.warm.status(), **self.counters()}
 
     # ---- internals
     def _spawn(self, sock: socket.socket) -> None:
@@ -344,6 +347,19 @@ def _reason(logfile: Path, start: int) -> tuple[str, str | None]:
     i = errors[-1]
     hint = lines[i + 1].removeprefix("hint: ") if i + 1 < len(lines) and lines[i + 1].startswith("hint: ") else None
     return lines[i].removeprefix("kvcli: error: "), hint
+
+
+def take_over(path: Path) -> int | None:
+    """Before `kvcli serve` starts on `path`: stop the server there if a command started it by itself (its pid),
+    None when none runs; ServerError naming the command that frees the socket if the user started it."""
+    reply = client.call(path, "status")
+    if reply is None:
+        return None
+    status = reply.get("status") or {}
+    if not status.get("autostarted"):
+        raise ServerError(f"{path}: a kvcli server is already running here (pid {status.get('pid')})",
+                          hint="'kvcli serve --stop' stops it (then run this again), or --socket PATH starts one beside it")
+    return stop_server(path)
 
 
 def stop_server(path: Path, timeout: float = GRACE_S + 10) -> int | None:
