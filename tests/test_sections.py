@@ -67,7 +67,9 @@ def test_choose_fits_the_budget_in_document_order():
     c = select.choose(sizes, ranks, budget=205)
     assert c.chosen == [1, 3] and c.how == "ranked"  # the two best, in document order
     assert select.choose(sizes, [0.0] * 4, budget=205).chosen == [0, 1]  # nothing shared: the start
-    assert select.choose(sizes, ranks, budget=1000).chosen == [1, 2, 3]  # unscored sections are left out
+    assert select.choose(sizes, ranks, budget=1000).chosen == [1, 3]  # unscored and far weaker sections are left out
+    many = select.choose([10] * 20, [1.0] * 20, budget=1000)
+    assert many.chosen == list(range(select.DEFAULT_COUNT))  # at most DEFAULT_COUNT unless --sections says more
     assert select.choose(sizes, ranks, budget=1000, count=1).chosen == [3]
     assert select.choose(sizes, ranks, budget=10, every=True).chosen == [0, 1, 2, 3]
 
@@ -76,6 +78,18 @@ def test_bm25_ranks_the_section_that_holds_the_words():
     texts = ["The licensor grants a licence.", "Payment is due within thirty days of the invoice.", "Notices go by post."]
     s = select.scores(texts, "When is payment due?")
     assert max(range(3), key=s.__getitem__) == 1 and s[0] == 0.0
+    defined = ["A Larger Work may be sold; a Larger Work, and a Larger Work again.", '"Larger Work" means a combined work.']
+    plain, quoted = select.scores(defined, "What is a Larger Work?"), select.scores(defined, 'What is a "Larger Work"?')
+    assert plain[0] > plain[1] and quoted[1] > quoted[0]  # a quoted term: the section defining it in quotes first
+
+
+def test_the_text_line_cites_neighbouring_sections_as_one_range():
+    from kvcli.cli.rendering import sources_line
+
+    a = {"sources": [{"section": 1, "start_line": 3, "end_line": 9, "pages": [1], "headings": ["Terms"]},
+                     {"section": 2, "start_line": 10, "end_line": 20, "pages": [1, 2], "headings": ["Payment"]},
+                     {"section": 5, "start_line": 40, "end_line": 50, "headings": []}], "document_share": 0.2}
+    assert sources_line(a) == '[sources: lines 3-20, pages 1-2, "Terms"; lines 40-50 (20% of the document)]'
 
 
 @pytest.fixture(scope="module")

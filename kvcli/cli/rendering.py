@@ -52,14 +52,23 @@ def message(out: Output, ev: Event) -> None:
 
 
 def sources_line(a: dict[str, Any]) -> str:
-    """The one line citing the sections an answer of a sectioned cache used: lines, pages, headings, share."""
-    cited = []
+    """The one line citing the sections an answer of a sectioned cache used: their lines (neighbouring sections as one
+    range), pages and first heading, and the share of the document they hold."""
+    runs: list[list[dict[str, Any]]] = []
     for s in a["sources"]:
-        where = f"lines {s['start_line']}-{s['end_line']}"
-        if s.get("pages"):
-            where += f", page{'s' if len(s['pages']) > 1 else ''} {', '.join(map(str, s['pages']))}"
-        if s.get("headings"):
-            where += f", \"{s['headings'][-1]}\""
+        if runs and s["section"] == runs[-1][-1]["section"] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    cited = []
+    for run in runs:
+        where = f"lines {run[0]['start_line']}-{run[-1]['end_line']}"
+        pages = sorted({p for s in run for p in s.get("pages", [])})
+        if pages:
+            where += f", page {pages[0]}" if len(pages) == 1 else f", pages {pages[0]}-{pages[-1]}"
+        heading = next((s["headings"][-1] for s in run if s.get("headings")), None)
+        if heading:
+            where += f", \"{heading}\""
         cited.append(where)
     share = a.get("document_share")
     return f"[sources: {'; '.join(cited)}" + (f" ({share:.0%} of the document)]" if share is not None else "]")
