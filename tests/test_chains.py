@@ -173,7 +173,7 @@ def test_cli_grown_document_says_what_it_computed(tmp_path, tiny_model_dir):
     assert f"extended {before:,} -> {record['num_tokens']:,} tokens, computed {record['computed_tokens']:,}" in r.stderr
     # another document is still refused without --force
     doc.write_text(PARTS[2], encoding="utf-8")
-    assert_clean_error(run("prefill", doc, "--model", tiny_model_dir, "--no-server"), 1, "already exists")
+    assert_clean_error(run("prefill", doc, "--model", tiny_model_dir, "--no-server"), 1, "has changed since")
 
 
 def test_served_chain_answers_as_in_process_and_notices_a_changed_base(tiny_model_dir, monkeypatch):
