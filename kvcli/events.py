@@ -198,7 +198,7 @@ def _answer(asking: _Asking, index: int, spec: SessionSpec, session: Any) -> Non
             emit(Warn(warning))
 
     def finish(_i: int, a: Any) -> None:
-        emit(AnswerOut(index, a.to_json()))
+        emit(AnswerOut(index, {**a.to_json(), "format": " + ".join(getattr(session, "formats", ())) or None}))
         if a.check is not None:
             asking.differs = asking.differs or not a.check.identical
             emit(CheckOut(index, f"kvcli: check: {asking.label(spec)}: {a.check.describe()}"))

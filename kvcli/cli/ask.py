@@ -13,7 +13,7 @@ from ..generation import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS, DEFAULT_STOP_LOO
 from .output import Output
 from .rendering import AskRenderer
 from .app import command
-from .common import cache_formats, gather_questions, local_opener, read_answer_json, shown
+from .common import gather_questions, local_opener, read_answer_json, shown
 from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, IdsOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
                       RepetitionPenaltyOpt, RevisionOpt, SeedOpt, ServerOpt, StopLoopsOpt, TemperatureOpt, TopPOpt, TrustOpt)
 
@@ -73,9 +73,7 @@ def ask(
                          follow_up_name=str(follow_up), sections=how)
     if check and server:
         raise UsageError("--check recomputes every prompt in this process: it cannot go through a server (drop --server)")
-    formats = cache_formats(out, list(cache))
-    look = {"json_out": json_out, "null": null, "ids": ids,
-            "formats": [" + ".join(str(f) for f in formats)] if blend else formats}  # how the answers are rendered
+    look = {"json_out": json_out, "null": null, "ids": ids}  # how the answers are rendered (formats: from the records)
     return _ask(out, request, server=server, look=look)
 
 
@@ -122,18 +120,9 @@ def _ask(out: Output, request, *, server: Optional[bool], look: dict) -> int:
 
 
 def _sectioned(caches: list[str]) -> bool:
-    """Whether any local cache given is sectioned (its manifest alone read; a URL or a broken cache says no here and is
-    reported where it is opened)."""
-    from ..errors import CacheError
-    from ..format import store
+    """Whether any local cache given is sectioned: it holds its first section's folder (nothing opened or parsed here,
+    so a cache is read once, where it is opened, which also reports a broken one)."""
+    from ..format.sections import section_dir
     from ..remote import is_url
 
-    for c in caches:
-        if is_url(c):
-            continue
-        try:
-            if store.read_manifest(c, chain=False).sections is not None:
-                return True
-        except CacheError:
-            continue
-    return False
+    return any(not is_url(c) and (Path(c) / section_dir(0)).is_dir() for c in caches)

@@ -25,9 +25,9 @@ def local_cache(path: str, out: Output, check=None) -> Path:
 
 
 def cache_formats(out: Output, caches: list[str]) -> list[str | None]:
-    """Each local cache's document format (None for a URL or a cache that will fail to open, which opening reports),
-    warning when the document a cache was made from, found beside it, has changed since."""
-    from ..format import catalog, store
+    """Each local cache's document format (None for a URL or a cache that will fail to open, which opening reports);
+    the opened session warns when the document beside a cache has changed since."""
+    from ..format import store
     from ..remote import is_url
     from ..errors import KvcliError
 
@@ -38,9 +38,6 @@ def cache_formats(out: Output, caches: list[str]) -> list[str | None]:
         except KvcliError:
             m = None
         formats.append(None if m is None else m.document.get("format", "text"))
-        changed = None if m is None else catalog.changed_source(cache, m)
-        if changed:
-            out.warn(changed)
     return formats
 
 

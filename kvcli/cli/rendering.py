@@ -99,7 +99,7 @@ class AskRenderer:
     def _record(self, a: dict[str, Any]) -> dict[str, Any]:
         """An answer's JSON line: its document's format; the prompt's ids only with --ids (a digest of the cache's
         ids instead, which a --follow-up checks)."""
-        record = {**a, "format": self.formats[self.caches.index(a["cache"])], "served": self.served}
+        record = {**a, "format": a.get("format") or self.formats[self.caches.index(a["cache"])], "served": self.served}
         prompt = record.get("prompt_token_ids")
         if not self.ids and isinstance(prompt, list):
             from ..format.identity import ids_digest

@@ -69,6 +69,7 @@ class Session:
                 self.blended = made.record()
         self.links = tuple(link.path for o in opened for link in o.chain()[:-1])  # the bases of each cache (prefill --after)
         self.warnings = [w for o in opened for w in cache_warnings(o.manifest, lm, o.path)]
+        self.formats = [o.manifest.document.get("format", "text") for o in opened]  # each document's format, for records
         if self.blended is not None:
             self.warnings.append(f"{' + '.join(str(o.path) for o in opened)}: {len(opened)} caches blended into one prompt, "
                                  f"{self.blended['recompute']:g} of each later document recomputed: answers are approximate "
@@ -85,6 +86,7 @@ class Session:
         self.lm, self.path, self.manifest = lm, path, manifest
         self.cache, self._token_ids, self.framing, self.storage = made.cache, made.token_ids, made.framing, manifest.storage
         self.blended, self.warnings, self.links = blended, list(warnings), ()
+        self.formats = [manifest.document.get("format", "text")]
         self._ready(time.perf_counter() if started is None else started)
         return self
 
@@ -168,7 +170,11 @@ class Session:
 
 def cache_warnings(manifest, lm: LoadedModel, path: Path) -> list[str]:
     """What a cache's answers may differ by: another transformers release, torch build or dtype."""
-    return _version_warnings(manifest, path) + _provenance_warnings(manifest, lm, path) + _dtype_warnings(manifest, lm, path)
+    from ..format import catalog
+
+    changed = catalog.changed_source(path, manifest)  # the document beside the cache has other bytes now
+    return ([changed] if changed else []) + _version_warnings(manifest, path) + _provenance_warnings(manifest, lm, path) \
+        + _dtype_warnings(manifest, lm, path)
 
 
 def _version_warnings(manifest, path: Path) -> list[str]:

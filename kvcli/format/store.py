@@ -247,12 +247,13 @@ def _open_link(path: Path, shards: bool) -> OpenedCache:
     raise CacheMissingError(f"{path}: cache changed while being opened; try again")
 
 
-def _cache_of(path: Path) -> str:
-    """What to do when a document was given where its cache belongs: name its cache if it is there."""
+def _cache_of(path: Path) -> str | None:
+    """What to do when a document was given where its cache belongs: name its cache if it is there; nothing for a
+    file named like a cache (a damaged cache, not a document)."""
     for cache in (path.with_suffix(".kv"), path.with_name(path.name + ".kv")):
         if cache != path and (cache / mf.MANIFEST_NAME).is_file():
             return f"did you mean {cache}?"
-    return f"a cache is a folder that 'kvcli prefill {path}' writes"
+    return None if path.suffix == ".kv" else f"a cache is a folder that 'kvcli prefill {path}' writes"
 
 
 def _open_once(path: Path, shards: bool) -> OpenedCache:

@@ -77,6 +77,10 @@ class Lease:
         return self.session.warnings
 
     @property
+    def formats(self) -> list[str]:
+        return self.session.formats
+
+    @property
     def token_ids(self) -> list[int]:
         return self.session.token_ids
 

@@ -74,6 +74,7 @@ class SectionedSession:
         m = self.manifest
         self.session = session
         self.warnings = list(warnings)
+        self.formats = [opened.manifest.document.get("format", "text")]  # the document's format, for records
         self.warnings.append(f"{self.path}: {len(m.sections.parts)} sections of a document longer than the window "
                              f"({m.document_tokens:,} tokens); each question uses those it needs, "
                              f"{self.how.recompute:g} of each recomputed: answers are approximate (--check measures them)")
