@@ -177,12 +177,11 @@ def test_from_messages():
         cv.from_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}])
 
 
-def test_a_different_system_message_is_refused():
-    cv.check_system(fr.Framing(kind="chat", system="Be brief."), " Be brief. ")
-    cv.check_system(fr.Framing(kind="chat"), None)
-    cv.check_system(fr.Framing(kind="chat"), "")
-    with pytest.raises(ConversationError, match="built with the system message 'Be brief.'") as err:
-        cv.check_system(fr.Framing(kind="chat", system="Be brief."), "Be long.")
-    assert err.value.exit_code == 2
-    with pytest.raises(ConversationError, match="built without a system message"):
-        cv.check_system(fr.Framing(kind="plain"), "You are a pirate.")
+def test_a_system_message_goes_after_the_document_unless_it_is_the_caches_own():
+    brief = fr.Framing(kind="chat", system="Be brief.")
+    assert cv.with_system(brief, " Be brief. ", [], "q") == ([], "q")  # already in the cached ids
+    assert cv.with_system(fr.Framing(kind="chat"), None, [("q0", "a0")], "q") == ([("q0", "a0")], "q")
+    assert cv.with_system(fr.Framing(kind="chat"), "  ", [], "q") == ([], "q")
+    assert cv.with_system(brief, "Be long.", [], "q") == ([], "Be long.\n\nq")
+    history, question = cv.with_system(fr.Framing(kind="plain"), "Pirate.", [("q0", "a0"), ("q1", "a1")], "q")
+    assert history == [("Pirate.\n\nq0", "a0"), ("q1", "a1")] and question == "q"  # before the first question only

@@ -1,7 +1,7 @@
 """kvcli's OpenAI-compatible HTTP endpoint: each prefilled document (a cache) is a "model".
 
-GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions (streamed as server-sent events in
-OpenAI's chunk format, ending with `data: [DONE]`). Errors are OpenAI error objects, never a traceback.
+GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions and the legacy POST /v1/completions (streamed as
+server-sent events in OpenAI's chunk format, ending with `data: [DONE]`). Errors are OpenAI error objects, never a traceback.
 Each request's answer joins its model's engine (engine/scheduling/scheduler.py), decoded together with every
 other request on that document up to the batch width; at most `max_queue` more requests wait per
 model, more get 503. A client that disconnects, streaming or not, takes its row out at the next step.
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import CacheError, ConversationError, KvcliError, PromptTooLongError, extra_hint
+from ..errors import CacheError, KvcliError, PromptTooLongError, extra_hint
 from ..generation import DEFAULT_HTTP_MAX_TOKENS
 from . import openai_api as oa
 from .docs import DocsProvider, Opened, Provider
@@ -178,22 +178,25 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
         return bytes(body)
 
     async def chat(request):
+        return await answer(request, oa.parse_chat)
+
+    async def completions(request):
+        return await answer(request, oa.parse_completion)
+
+    async def answer(request, parse):
         raw = await read_body(request)
         try:
             body = json.loads(raw)
         except ValueError:
             raise oa.ApiError(400, "the request body is not valid JSON") from None
-        req = oa.parse_chat(body, max_tokens=max_tokens)
+        req = parse(body, max_tokens=max_tokens)
         opened = await open_model(req.model, req.documents, req.blend)
         release = _once(opened.release)
         try:
             session = opened.session
+            history, question = conversation.with_system(session.framing, req.system, req.history, req.question)
             try:
-                conversation.check_system(session.framing, req.system, "messages[0].content")
-            except ConversationError as exc:
-                raise oa.ApiError(400, hidden(str(exc)), param=exc.field) from None
-            try:
-                prompt = await run_in_threadpool(session.prompt_ids, req.question, req.history)
+                prompt = await run_in_threadpool(session.prompt_ids, question, history)
             except KvcliError as exc:  # a chat template that cannot hold a conversation
                 raise oa.ApiError(400, hidden(str(exc)), param="messages") from None
             opts = req.options
@@ -204,14 +207,14 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
             gate = gates.setdefault(id(session.lm), _Gate(max_queue, opened.concurrency))
             gate.reserve()
             try:
-                submitted = opened.submit(req.question, opts, history=req.history, prompt=prompt)  # the row joins the engine now
+                submitted = opened.submit(question, opts, history=history, prompt=prompt)  # the row joins the engine now
             except BaseException:
                 gate.held -= 1
                 raise
         except BaseException:
             release()
             raise
-        cid = oa.completion_id()
+        cid = oa.completion_id(req.text)
 
         def work(on_text=None):
             try:
@@ -238,7 +241,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
             except (Cancelled, EngineClosed):
                 raise oa.ApiError(503, "the server stopped before the answer was complete", type="server_error",
                                   code="stopped") from None
-            return JSONResponse(oa.completion(cid, req.model, result))
+            return JSONResponse(oa.completion(cid, req.model, result, text=req.text))
         started = [False]
 
         async def events():
@@ -255,9 +258,10 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
             try:
                 fut = await run(lambda: work(on_text))
                 fut.add_done_callback(lambda _f: queue.put_nowait(None))
-                yield data(oa.chunk(cid, req.model, delta={"role": "assistant", "content": ""}))
+                if not req.text:
+                    yield data(oa.chunk(cid, req.model, delta={"role": "assistant", "content": ""}))
                 while (text := await queue.get()) is not None:
-                    yield data(oa.chunk(cid, req.model, delta={"content": text}))
+                    yield data(oa.chunk(cid, req.model, delta={"content": text}, text=req.text))
                 try:
                     result = fut.result()
                 except KvcliError as exc:
@@ -267,9 +271,9 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
                     log.error("unexpected error while streaming: %r", exc)
                     yield data(oa.ApiError(500, f"internal error ({exc.__class__.__name__})", type="server_error").body())
                     return
-                yield data(oa.chunk(cid, req.model, finish_reason=result.finish_reason))
+                yield data(oa.chunk(cid, req.model, finish_reason=result.finish_reason, text=req.text))
                 if req.include_usage:
-                    yield data(oa.chunk(cid, req.model, answer=result, with_choice=False))
+                    yield data(oa.chunk(cid, req.model, answer=result, with_choice=False, text=req.text))
                 yield {"data": "[DONE]"}
             finally:
                 submitted.cancel()  # a client gone mid-answer: its row leaves at the next step (done: nothing happens)
@@ -294,6 +298,7 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
         Route("/v1/models", endpoint(list_models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", endpoint(get_model), methods=["GET"]),
         Route("/v1/chat/completions", endpoint(chat), methods=["POST"]),
+        Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/health", endpoint(health), methods=["GET"]),
     ]
     middleware = [

@@ -1,4 +1,5 @@
-"""OpenAI chat-completions shapes without a web framework: request checking, responses, chunks, errors.
+"""OpenAI chat-completions (and legacy text completions) shapes without a web framework: request checking,
+responses, chunks, errors.
 
 Only what kvcli answers is accepted; a field kvcli cannot honour (n > 1, logprobs, tools) is a 400 naming
 it, never silently ignored. Fields kvcli has no use for (user, metadata, ...) are ignored.
@@ -47,6 +48,7 @@ class ChatRequest:
     include_usage: bool
     documents: list[str] | None = None  # caches blended into one prompt, in order (kvcli's field; `model` is BLEND_MODEL or the first)
     blend: Blend | None = None  # with documents: the share of each later document recomputed
+    text: bool = False  # a /v1/completions request: answered in the text_completion shape
 
     @property
     def stop(self) -> tuple[str, ...]:
@@ -116,6 +118,29 @@ def parse_chat(body: Any, *, max_tokens: int | None = None) -> ChatRequest:
                        options=GenerationOptions(**checked), stream=bool(stream), include_usage=bool(options.get("include_usage")))
 
 
+def parse_completion(body: Any, *, max_tokens: int | None = None) -> ChatRequest:
+    """Check a legacy /v1/completions body: its `prompt` is the question (one user turn after the document), the
+    rest as parse_chat checks it; `echo`, `suffix` and best_of > 1 cannot be honoured (400)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise _bad("prompt", "must be one non-empty string (the question about the document)")
+    if body.get("echo") not in (None, False):
+        raise _bad("echo", "not supported by kvcli")
+    if body.get("suffix") not in (None, ""):
+        raise _bad("suffix", "not supported by kvcli")
+    if body.get("best_of") not in (None, 1):
+        raise _bad("best_of", "only best_of=1 is supported")
+    chat = {k: v for k, v in body.items() if k not in ("prompt", "echo", "suffix", "best_of", "messages", "max_completion_tokens")}
+    chat["max_tokens"] = body.get("max_tokens", min(16, max_tokens or 16))  # the legacy endpoint's own default
+    req = parse_chat({**chat, "messages": [{"role": "user", "content": prompt}]}, max_tokens=max_tokens)
+    req.text = True
+    return req
+
+
 def _documents(body: dict, model: str) -> tuple[list[str] | None, Blend | None]:
     """kvcli's `documents` (cache ids blended into one prompt, in order) and `recompute` fields, checked."""
     documents, recompute = body.get("documents"), body.get("recompute")
@@ -149,16 +174,17 @@ def usage(answer) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": answer.cached_tokens}}
 
 
-def completion_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
+def completion_id(text: bool = False) -> str:
+    return f"{'cmpl' if text else 'chatcmpl'}-{uuid.uuid4().hex}"
 
 
-def completion(cid: str, model: str, answer) -> dict[str, Any]:
-    """The non-streamed chat.completion object."""
+def completion(cid: str, model: str, answer, *, text: bool = False) -> dict[str, Any]:
+    """The non-streamed chat.completion object (text: the legacy text_completion)."""
+    choice = ({"index": 0, "text": answer.answer} if text else
+              {"index": 0, "message": {"role": "assistant", "content": answer.answer}})
     return {
-        "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.answer},
-                     "finish_reason": answer.finish_reason, "logprobs": None}],
+        "id": cid, "object": "text_completion" if text else "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{**choice, "finish_reason": answer.finish_reason, "logprobs": None}],
         "usage": usage(answer),
         "kvcli": {"ttft_s": answer.ttft_s, "total_s": answer.total_s, "processed_tokens": answer.processed_tokens,
                   **({"blended": {k: v for k, v in answer.blended.items() if k != "caches"}} if answer.blended else {})},
@@ -166,12 +192,14 @@ def completion(cid: str, model: str, answer) -> dict[str, Any]:
 
 
 def chunk(cid: str, model: str, *, delta: dict[str, Any] | None = None, finish_reason: str | None = None,
-          answer=None, with_choice: bool = True) -> dict[str, Any]:
-    """One chat.completion.chunk: a content delta, the closing finish_reason, or (choices empty) the usage."""
-    out: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                           "choices": []}
+          answer=None, with_choice: bool = True, text: bool = False) -> dict[str, Any]:
+    """One chat.completion.chunk: a content delta, the closing finish_reason, or (choices empty) the usage;
+    text: a legacy text_completion chunk, its delta's content as `text`."""
+    out: dict[str, Any] = {"id": cid, "object": "text_completion" if text else "chat.completion.chunk", "created": int(time.time()),
+                           "model": model, "choices": []}
     if with_choice:
-        out["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish_reason, "logprobs": None}]
+        part = {"text": (delta or {}).get("content", "")} if text else {"delta": delta or {}}
+        out["choices"] = [{"index": 0, **part, "finish_reason": finish_reason, "logprobs": None}]
     if answer is not None:
         out["usage"] = usage(answer)
     return out

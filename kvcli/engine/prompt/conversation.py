@@ -89,17 +89,17 @@ def _chat_text(tokenizer: Any, framing: fr.Framing, turns: list[Exchange], quest
     return text
 
 
-def check_system(framing: fr.Framing, system: str | None, where: str = "system message") -> None:
-    """A system message in a conversation must be the one the cache was built with (it is in the cached ids)."""
-    if system is None:
-        return
-    built = (framing.system or "").strip()
-    if system.strip() != built:
-        said = f"with the system message {built!r}" if built else "without a system message"
-        raise ConversationError(
-            f"{where}: differs from the cache's; the cache was built {said} (prefill again with --system to use another)",
-            field=where.split(":")[0],
-        )
+def with_system(framing: fr.Framing, system: str | None, history: Sequence[Exchange], question: str
+                ) -> tuple[list[Exchange], str]:
+    """A conversation's system message honoured: the cache's own (in the cached ids) or none changes nothing; any
+    other goes right after the document, before the first question (where a cached prompt can still take it)."""
+    history = list(history)
+    if system is None or not system.strip() or system.strip() == (framing.system or "").strip():
+        return history, question
+    if history:
+        first_question, first_answer = history[0]
+        return [(f"{system.strip()}\n\n{first_question}", first_answer), *history[1:]], question
+    return history, f"{system.strip()}\n\n{question}"
 
 
 def from_messages(messages: Any, field: str = "messages") -> tuple[str | None, list[Exchange], str]:
