@@ -228,20 +228,45 @@ def test_an_estimate_states_the_range_its_records_miss_by(tmp_path, tiny_model_d
     assert "no estimate yet" not in human.stdout + human.stderr and "23 prefills on this machine" in human.stderr
 
 
-def test_no_estimate_for_a_document_too_long_to_prefill(tmp_path, short_model_dir, monkeypatch):
+def test_no_estimate_for_a_document_too_long_to_prefill(tmp_path, gpt2_dir, monkeypatch):
     monkeypatch.setenv("KVCLI_HOME", str(tmp_path))
-    source = {"kind": "folder", "path": str(short_model_dir.resolve())}
+    source = {"kind": "folder", "path": str(gpt2_dir.resolve())}
     for seconds in (1.0, 1.1, 1.2):
         throughput.record(source, "float32", "cpu", 1000, seconds)
     doc = tmp_path / "long.txt"
-    doc.write_text(sample_text(), encoding="utf-8")  # 2,247 tokens: more than its 1,024 positions
-    result = run("count", doc, "--model", short_model_dir, "--json")
+    doc.write_text(sample_text(8000), encoding="utf-8")  # more than its 1,024 learned positions, which cannot move
+    result = run("count", doc, "--model", gpt2_dir, "--json")
     (c,) = json_lines(result.stdout)
     assert result.exit_code == 1 and not c["fits"] and c["prefill_s_estimate"] is None and c["prefill_s_range"] is None
-    assert c["prefill_s_reason"] == "too long for the model: prefill would refuse it"
-    human = run("count", doc, "--model", short_model_dir)
+    assert c["prefill_s_reason"] == "too long for the model: prefill would refuse it" and c["sectioned"] is None
+    human = run("count", doc, "--model", gpt2_dir)
     assert human.exit_code == 1 and "(too long)" in human.stdout and "~" not in human.stdout
     assert "too long for the model (prefill would refuse it)" in human.stderr and "hint: " in human.stderr
+
+
+def test_a_document_longer_than_the_window_is_counted_as_its_sections(tmp_path, short_model_dir, monkeypatch):
+    import kvcli
+
+    monkeypatch.setenv("KVCLI_HOME", str(tmp_path))
+    doc = tmp_path / "long.txt"
+    doc.write_text(sample_text(), encoding="utf-8")  # 2,247 tokens: more than its 1,024 positions, which move
+    result = run("count", doc, "--model", short_model_dir, "--json")
+    assert result.exit_code == 0, result.stderr
+    (c,) = json_lines(result.stdout)
+    assert not c["fits"] and c["window"] == 1024 and c["sectioned"] > 1
+    assert "prefill would refuse" not in (c["prefill_s_reason"] or "")
+    human = run("count", doc, "--model", short_model_dir)
+    assert human.exit_code == 0 and f"{c['sectioned']} sections" in human.stdout and "too long" not in human.stdout
+    assert f"prefill makes a sectioned cache of {c['sectioned']} sections" in human.stderr and "error" not in human.stderr
+    made = run("prefill", doc, "--model", short_model_dir, "-o", tmp_path / "long.kv", "--no-server")
+    assert made.exit_code == 0, made.stderr
+    assert len(kvcli.read_manifest(tmp_path / "long.kv").sections.parts) == c["sectioned"]  # as many as prefill cut
+    narrow = json_lines(run("count", doc, "--model", short_model_dir, "--window", "700", "--json").stdout)[0]
+    assert narrow["window"] == 700 and narrow["room"] == 700 - c["tokens"] and narrow["sectioned"] == c["sectioned"]
+    short = tmp_path / "short.txt"
+    short.write_text(sample_text()[:1500], encoding="utf-8")
+    (one,) = json_lines(run("count", short, "--model", short_model_dir, "--json").stdout)
+    assert one["fits"] and one["sectioned"] is None
 
 
 # ---- a refused request loads nothing
@@ -411,13 +436,13 @@ def test_count_matches_prefill_without_the_weights(cache, tiny_model_dir, tmp_pa
     assert human.exit_code == 0 and f"{m.num_tokens:,}" in human.stdout and "estimate" in human.stderr
 
 
-def test_count_flags_a_document_too_long(tmp_path, tiny_model_dir):
+def test_count_flags_a_document_too_long(tmp_path, gpt2_dir):
     long = tmp_path / "long.txt"
-    long.write_text(sample_text(60_000), encoding="utf-8")
-    result = run("count", long, "--model", tiny_model_dir, "--json")
+    long.write_text(sample_text(8000), encoding="utf-8")
+    result = run("count", long, "--model", gpt2_dir, "--json")
     assert result.exit_code == 1 and "long.txt" in error_lines(result)[0]
     (c,) = json_lines(result.stdout)
-    assert c["tokens"] > 8192 and c["fits"] is False and c["room"] < 0
+    assert c["tokens"] > 1024 and c["fits"] is False and c["room"] < 0 and c["sectioned"] is None
 
 
 def test_count_imports_no_model_code(cache, tiny_model_dir):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -21,6 +21,7 @@ def count(
     framing: FramingOpt = "auto",
     dtype: DtypeOpt = "auto",
     encoding: EncodingOpt = "utf-8",
+    window: Annotated[Optional[int], typer.Option("--window", min=64, metavar="N", help="Positions a question's prompt may use (default: the model's), as prefill --window: a longer document is counted as the sectioned cache prefill makes of it.", show_default=False)] = None,
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -46,7 +47,8 @@ def count(
         from ..engine import counting
 
         with out.status("loading tokenizer"):
-            counter = counting.Counter(model, revision=revision, dtype=dtype, framing=framing, system=system, trust_remote_code=trust_remote_code)
+            counter = counting.Counter(model, revision=revision, dtype=dtype, framing=framing, system=system, trust_remote_code=trust_remote_code,
+                                       window=window)
         counts = [counter.count(t) for t in read]
     errors = {d: str(exc) for d, exc in failed}
     if json_out:
@@ -57,7 +59,8 @@ def count(
     elif counts:
         table = Table("document", "tokens", "cache raw", "on disk (est.)", "room left", "prefill (est.)")
         for c in counts:
-            room = "-" if c.room is None else (f"{c.room:,}" if c.fits else Text(f"{c.room:,} (too long)", style="red"))
+            room = "-" if c.room is None else (f"{c.room:,}" if c.fits else Text(f"{c.sectioned:,} sections", style="yellow")
+                                              if c.sectioned else Text(f"{c.room:,} (too long)", style="red"))
             shape = documents.describe({"format": c.format, "pages": c.pages, "sections": c.sections})
             table.add_row(Text(c.document + (f" ({shape})" if shape else "")), f"{c.tokens:,}", human_bytes(c.bytes_raw), human_bytes(c.bytes_on_disk_estimate),
                           room, _seconds(c))
@@ -66,7 +69,9 @@ def count(
         out.table(table)
     if counter is not None:
         limit = f"{counter.max_positions:,} positions" if counter.max_positions else "no position limit"
-        withheld = next((c.prefill_s_reason for c in counts if c.prefill_s_reason and c.fits), None)
+        if counter.window and counter.window != counter.max_positions:
+            limit += f", a window of {counter.window:,}"
+        withheld = next((c.prefill_s_reason for c in counts if c.prefill_s_reason and (c.fits or c.sectioned)), None)
         times = (f"prefill time: no estimate yet ({withheld})" if withheld else
                  f"prefill time from {counts[0].prefill_s_basis}, its range from how far that estimate missed each of them")
         out.note(f"{counter.dtype}, {limit}; read {counter.loaded}; estimates: on-disk size from measured ratios, {times}")
@@ -74,7 +79,11 @@ def count(
             out.note(counter.dtype_advice)
     for message in errors.values():
         out.error(message)
-    too_long = [c.document for c in counts if not c.fits]
+    for c in counts:
+        if c.sectioned:
+            out.note(f"{c.document}: longer than the window of {c.window:,} positions: prefill makes a sectioned cache of "
+                     f"{c.sectioned:,} sections, and each question uses the sections that fit the window (docs/documents.md)")
+    too_long = [c.document for c in counts if not c.fits and not c.sectioned]
     if too_long:
         out.error(f"{', '.join(too_long)}: too long for the model (prefill would refuse it)",
                   "count a shorter part, or pick a --model with more positions")
@@ -86,7 +95,7 @@ def count(
 def _seconds(c) -> str:
     """The estimate and, from 3 records on, the range its records' own misses give: `~12 s (11-14 s)`."""
     if c.prefill_s_estimate is None:
-        return "-" if not c.fits else "no estimate yet"
+        return "-" if not (c.fits or c.sectioned) else "no estimate yet"
     digits = 1 if c.prefill_s_estimate < 10 else 0
     shown = f"~{c.prefill_s_estimate:,.{digits}f} s"
     if c.prefill_s_range is None:

@@ -44,6 +44,8 @@ class Count:
     format: str = "text"  # the document's format ("text", "pdf", "html", "docx", "epub")
     pages: int | None = None  # a PDF's pages
     sections: int | None = None  # headings kept (HTML, DOCX, EPUB)
+    window: int | None = None  # positions a question's prompt may use: the model's, or a smaller --window
+    sectioned: int | None = None  # longer than the window: the sections prefill cuts it into (None: one cache, or refused)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,7 +55,11 @@ class Counter:
     """A model's tokenizer and config, loaded once for counting many documents."""
 
     def __init__(self, model: str | None = None, *, revision: str | None = None, dtype: str = "auto",
-                 framing: str = "auto", system: str | None = None, trust_remote_code: bool = False):
+                 framing: str = "auto", system: str | None = None, trust_remote_code: bool = False,
+                 window: int | None = None):
+        """window: positions a question's prompt may use (prefill --window), at most the model's."""
+        from .sections.build import window_limit
+
         source = models.resolve(model, revision=revision)
         folder = _light_folder(source)
         got = light.load(folder) if folder is not None else "no local model folder yet"
@@ -73,6 +79,7 @@ class Counter:
         self.dtype = _dtype_name(dtype, self.config)
         s = shape(self.config)  # as the loaded model's fingerprint will say
         self.kv_heads, self.head_dim, self.max_positions = s["num_kv_heads"], s["head_dim"], s["max_positions"]
+        self.window = window_limit(self.max_positions, window)
         self.params = _parameter_count(self.config, source)
         devices = ["cuda", "mps", "cpu"] if _maybe_accelerator() else ["cpu"]
         self.records = next((r for d in devices if (r := throughput.records(source, self.dtype, d))), [])
@@ -103,16 +110,27 @@ class Counter:
         n = self.tokens(document)
         per_token = 2 * self.kv_heads * self.head_dim * ITEMSIZE[self.dtype]  # keys + values
         raw = sum(per_token * (n if kind == "full" else min(n, window - 1)) for kind, window in self.plan)
-        room = self.max_positions - n if self.max_positions else None
+        room = self.window - n if self.window else None
         est = throughput.estimate(n, self.records, self.params)
-        fits = too_long(document.name, n, self.max_positions) is None
-        reason = est.withheld if fits else "too long for the model: prefill would refuse it"
+        fits = too_long(document.name, n, self.window) is None
+        cut = None if fits or not self.sectioned() else self.sections_of(document)
+        reason = est.withheld if fits or cut else "too long for the model: prefill would refuse it"
         return Count(document=document.name, tokens=n, dtype=self.dtype, bytes_raw=raw,
                      bytes_on_disk_estimate=round(raw * DISK_RATIO[self.dtype]), max_positions=self.max_positions,
                      room=room, fits=fits, prefill_s_estimate=None if reason else est.seconds, prefill_s_basis=est.basis,
                      prefill_s_error=est.error, prefill_s_reason=reason,
                      prefill_s_range=None if reason or est.low is None else (est.low, est.high),
-                     format=document.format, pages=document.pages, sections=document.sections)
+                     format=document.format, pages=document.pages, sections=document.sections, window=self.window,
+                     sectioned=cut)
+
+    def sections_of(self, document: Document) -> int:
+        """How many sections prefill cuts a document longer than the window into (engine/sections/cutting.py)."""
+        from .sections import cutting
+
+        def count(texts):
+            return [len(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]] if texts else []
+
+        return len(cutting.cut(document.text, count))
 
 
 def fit_check(model: str | None = None, *, revision: str | None = None, framing: str = "auto", system: str | None = None,
