@@ -117,3 +117,22 @@ def test_keep_on_host_keeps_nothing_from_the_cpu(caches, monkeypatch):
         kv = restore.load_cache(opened)
         session = SimpleNamespace(cache=kv, blended=None, manifest=opened.manifest, lm=SimpleNamespace(dtype=None))
     assert restore.keep_on_host(session) is False and tiers.HOST.report()["caches"] == 0
+
+
+def test_the_warm_server_keeps_dropped_caches_in_the_host_tier_and_shows_it(monkeypatch):
+    from kvcli.serve import warm as wm
+
+    monkeypatch.setattr(tiers, "HOST", tiers.HostTier())
+    kept = []
+    monkeypatch.setattr(restore, "keep_on_host", lambda session: kept.append(session) or True)  # no GPU here
+    w = wm.Warm(max_memory=1 << 30, host_memory=1 << 20)
+    assert tiers.HOST.limit == 1 << 20
+    assert w.status()["host_tier"] == {"tier": "host", "caches": 0, "bytes": 0, "limit": 1 << 20, "hits": 0,
+                                       "kept": 0, "dropped": 0}
+    session = object()
+    w._entries["c"] = wm._Entry("c", "cache", session, 10, {})
+    w._entries["m"] = wm._Entry("m", "model", object(), 10, {})
+    assert w._drop("c") == 10 and kept == [session]  # a cache leaving the LRU goes to the host tier
+    assert w._drop("m") == 10 and kept == [session]  # a model does not
+    monkeypatch.setattr(tiers, "HOST", tiers.HostTier())  # no limit: no host tier, none shown
+    assert "host_tier" not in wm.Warm(max_memory=1 << 30).status()

@@ -124,6 +124,22 @@ def test_ps_shows_every_address(cache_dir, server):
     assert str(server.path) in text and "http://127.0.0.1:9/v1" in text
 
 
+def test_ps_shows_the_host_tier_only_when_it_has_a_limit(monkeypatch):
+    from kvcli.cli.output import human_bytes
+    from kvcli.engine.cache import tiers
+
+    monkeypatch.setattr(tiers, "HOST", tiers.HostTier())
+    for host_memory, shown in ((None, False), (3 << 20, True)):
+        s = ThreadServer(short_dir() / "h.sock", host_memory=host_memory)
+        monkeypatch.setenv("KVCLI_SOCKET", str(s.path))
+        try:
+            status, text = json.loads(run("ps", "--json").stdout), run("ps").stdout
+        finally:
+            s.close()
+        assert ("host_tier" in status) == shown and ("host tier:" in text) == shown, text
+    assert status["host_tier"]["limit"] == 3 << 20 and f"host tier: 0 cache(s), 0 B of {human_bytes(3 << 20)}" in text, text
+
+
 def test_detach_prints_every_address(here, tmp_path):
     pytest.importorskip("uvicorn")
     folder = short_dir()

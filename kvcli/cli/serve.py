@@ -18,7 +18,8 @@ from .options import JsonOpt, QuietOpt, SocketOpt
 @command
 def serve(
     socket: SocketOpt = None,
-    max_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Most memory for models and caches, e.g. 8G or 512M (default: half the RAM).", show_default=False)] = None,
+    max_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Most memory for models and caches, on their device (on a GPU: GPU memory), e.g. 8G or 512M (default: half the RAM).", show_default=False)] = None,
+    max_host_memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="On a GPU, most pinned host memory for caches pushed out of --max-memory, copied back up instead of restored from disk (default: none).", show_default=False)] = None,
     idle_timeout: Annotated[Optional[str], typer.Option(metavar="DURATION", help="Exit after this long unused, e.g. 30s, 10m, 2h (default: never).", show_default=False)] = None,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Run in the background: print its pid once it answers; log to $KVCLI_HOME/serve.log.")] = False,
     stop: Annotated[bool, typer.Option("--stop", help="Stop the server running on the socket.")] = False,
@@ -39,6 +40,7 @@ def serve(
     out = Output(quiet=quiet)
     path = client.socket_path(socket)
     size = units.parse_size(max_memory) if max_memory else None
+    host_size = units.parse_size(max_host_memory, "--max-host-memory") if max_host_memory else None
     idle = units.parse_duration(idle_timeout) if idle_timeout else None
     if http_at:
         from ..serve import http
@@ -66,6 +68,7 @@ def serve(
     if detach:
         args = (["--max-memory", max_memory] if max_memory else []) + (["--idle-timeout", idle_timeout] if idle_timeout else [])
         args += ["--autostarted"] if autostarted else []
+        args += ["--max-host-memory", max_host_memory] if max_host_memory else []
         args += ["--batch-size", str(batch_size)]
         if http_at:
             args += ["--http", http_at, *[a for d in docs for a in ("--docs", str(d))], "--max-tokens", str(max_tokens)]
@@ -78,7 +81,7 @@ def serve(
         return 0
     from ..serve.warm import Warm
 
-    server = sv.Server(path, Warm(size, batch_size=batch_size), idle_timeout=idle, log=out.note, autostarted=autostarted)
+    server = sv.Server(path, Warm(size, batch_size=batch_size, host_memory=host_size), idle_timeout=idle, log=out.note, autostarted=autostarted)
     with out.status("starting"):
         server.start()
     web = None
@@ -130,6 +133,10 @@ def ps(
     out.table(Text(f"pid {s['pid']} on {_addresses(s.get('addresses') or {'socket': s['socket']})}, up {human_age(s['uptime_s'])}, "
                    f"{human_bytes(s['bytes'])} of {human_bytes(s['max_memory'])} held, {s['active']} active"))
     out.table(Text(counters_line(s)))
+    if s.get("host_tier"):  # on a GPU: caches pushed out of device memory, kept in pinned host memory
+        h = s["host_tier"]
+        out.table(Text(f"host tier: {h['caches']} cache(s), {human_bytes(h['bytes'])} of {human_bytes(h['limit'])}, "
+                       f"{h['hits']} copied back up, {h['dropped']} dropped"))
     models = Table("model", "dtype", "device", "memory", "last used", "answers", "prefills", "decoding", title="models")
     for m in s["models"]:
         models.add_row(Text(str(m["name"])), m["dtype"], m["device"], human_bytes(m["bytes"]), human_age(now - m["last_used"]) + " ago",

@@ -24,6 +24,7 @@ starts or an answer completes, and whenever a request ends.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -122,10 +123,14 @@ class HeldModel:
 class Warm:
     """Loaded models and restored caches, least recently used first out when over max_memory bytes."""
 
-    def __init__(self, max_memory: int | None = None, batch_size: int | None = None):
+    def __init__(self, max_memory: int | None = None, batch_size: int | None = None, host_memory: int | None = None):
         from ..engine.answer import DEFAULT_BATCH
 
         self.max_memory = max_memory or memory.default_max_memory()
+        if host_memory is not None:  # a GPU server: caches pushed out of device memory kept in pinned host memory
+            from ..engine.cache import tiers
+
+            tiers.HOST.limit = host_memory
         self.batch_size = batch_size or DEFAULT_BATCH  # questions on one document decoded together
         self._entries: dict[str, _Entry] = {}  # insertion order = use order (moved to the end on use)
         self._alias: dict[str, str] = {}  # requested model key -> the key of what was loaded
@@ -186,7 +191,9 @@ class Warm:
             else:
                 row["batch"] = {"width": width, **e.obj.stats}
             rows["models" if e.kind == "model" else "caches"].append(row)
-        return {"max_memory": self.max_memory, "bytes": sum(e.nbytes for e in entries), "reloads": self.reloads, **self.counters(), **rows}
+        tiers = sys.modules.get("kvcli.engine.cache.tiers")
+        host = {"host_tier": tiers.HOST.report()} if tiers is not None and tiers.HOST.limit else {}
+        return {"max_memory": self.max_memory, "bytes": sum(e.nbytes for e in entries), "reloads": self.reloads, **self.counters(), **rows, **host}
 
     def counters(self) -> dict[str, int]:
         """What every front end did with this Warm: `answers` (questions answered: the sum of the cache rows'
@@ -363,6 +370,9 @@ class Warm:
         if e is None:
             return 0
         freed = e.nbytes
+        restore = sys.modules.get("kvcli.engine.cache.restore")  # imported by a restore, never here (ps needs no torch)
+        if e.kind == "cache" and restore is not None:  # on a GPU with a host tier, its document is kept there
+            restore.leaving(e.obj)
         if e.kind == "model":
             for ck in [k for k, c in self._entries.items() if c.kind == "cache" and c.model_key == key and c.users == 0]:
                 freed += self._entries.pop(ck).nbytes

@@ -231,9 +231,19 @@ def keep_on_host(session: Any) -> bool:
     """A warm Session leaving device memory: its restored document kept in the process's host tier (tiers.HOST,
     when it has a limit), so that the next restore of the same cache onto the device copies it back up instead of
     decoding its shards. False (nothing kept) on the CPU, for a blend, or when it does not fit the limit."""
+    if getattr(session, "cache", None) is None:  # a sectioned cache: its sections restore on their own
+        return False
     states = session.cache.states(wait=False)
     if not tiers.HOST.limit or session.blended is not None or not states or states[0].keys.device.type == "cpu":
         return False
     link = transfer.link_for(states[0].keys.device)
     pinned = link.pinned if link is not None else False
     return tiers.HOST.keep(tiers.host_key(session.manifest, session.lm.dtype, ROOM_TOKENS), session.cache, pinned)
+
+
+def leaving(session: Any) -> None:
+    """A warm server's cache leaving its LRU: keep_on_host, best effort."""
+    try:
+        keep_on_host(session)
+    except RuntimeError:  # no pinned or device memory to be had: the cache is restored from disk next time
+        pass
