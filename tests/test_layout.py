@@ -1,4 +1,4 @@
-"""The package's shape: imports point one way (no circles), and every module reads in one sitting."""
+"""The package's shape: imports point down the declared layers (no circles), and every module reads in one sitting."""
 
 from __future__ import annotations
 
@@ -7,6 +7,22 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvcli"
 MAX_LINES = 400
+
+# Top to bottom, as docs/architecture.md draws them: a module imports only from its own layer or one below.
+# `kvcli` itself (its lazy Python API) sits above them all.
+LAYERS = [
+    ("cli", ["kvcli.cli", "kvcli.__main__"]),
+    ("benchmarks", ["kvcli.bench"]),
+    ("front ends", ["kvcli.serve"]),
+    ("events", ["kvcli.events"]),
+    ("integrations", ["kvcli.integrations"]),
+    ("engine", ["kvcli.engine"]),
+    ("requests", ["kvcli.requests", "kvcli.generation"]),
+    ("remote", ["kvcli.remote"]),
+    ("documents", ["kvcli.documents"]),
+    ("format", ["kvcli.format"]),
+    ("base", ["kvcli.errors", "kvcli.units", "kvcli.home"]),
+]
 
 
 def _modules() -> dict[str, Path]:
@@ -75,6 +91,20 @@ def test_no_import_circles():
     graph = {name: {m for m in _imports(name, path, mods) if not name.startswith(m + ".") and m != "kvcli"}
              for name, path in mods.items()}  # a module importing its own package's __init__ is not a circle
     assert _cycles(graph) == []
+
+
+def _layer(module: str) -> int:
+    found = [i for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes if module == p or module.startswith(p + ".")]
+    assert len(found) == 1, f"{module} belongs to {len(found)} layers of LAYERS: add it to one"
+    return found[0]
+
+
+def test_imports_point_down_the_layers():
+    mods = _modules()
+    up = sorted(f"{name} ({LAYERS[_layer(name)][0]}) imports {m} ({LAYERS[_layer(m)][0]})"
+                for name, path in mods.items() if name != "kvcli"
+                for m in _imports(name, path, mods) if m != "kvcli" and _layer(m) < _layer(name))
+    assert up == []
 
 
 def test_no_module_above_the_limit():

@@ -68,7 +68,7 @@ def prefill(
         return _prefill_corpus(out, request, docs, from_list, shard, output, json_out=json_out)
     if not docs:
         raise UsageError("no document given (DOC ..., or --from-list FILE)")
-    targets, folder = writing.cache_targets(docs, Path(output) if output is not None else None)
+    targets, folder = _cache_targets(docs, Path(output) if output is not None else None)
     if folder is not None:
         writing.make_folder(folder)  # the writer, here or the server, writes into it
     request = replace(request, docs=tuple((str(d), str(t)) for d, t in targets))
@@ -131,7 +131,7 @@ def _prefill_corpus(out: Output, request, docs: list[str], from_list: Optional[s
                     json_out: bool) -> int:
     """Documents from a list and/or URLs, this process's share (library: engine.corpus)."""
     from ..engine import corpus
-    from ..remote import placement
+    from ..engine import placement
 
     entries = list(dict.fromkeys(docs + (corpus.read_list(from_list) if from_list is not None else [])))
     if "-" in entries:
@@ -146,3 +146,26 @@ def _prefill_corpus(out: Output, request, docs: list[str], from_list: Optional[s
         return 0
     return _run(out, request, jobs, [(j.document, j.target.name) for j in jobs], read=placement.reader(request.encoding),
                 json_out=json_out, listed=True, label=label, incremental=from_list is not None)
+
+
+def _cache_targets(docs: list[str], output: Optional[Path]) -> tuple[list[tuple[str, Path]], Optional[Path]]:
+    """Where a prefill of these documents writes: (document, cache path) pairs, and the -o folder to create.
+    Refused before any work (UsageError): stdin without one -o cache, -o a file or cache for several
+    documents, two documents aimed at one cache."""
+    from .. import documents
+    from ..format import store
+
+    if "-" in docs and (output is None or len(docs) > 1):
+        raise UsageError("reading the document from stdin ('-') needs -o CACHE and no other document")
+    if len(docs) == 1 and not (output is not None and output.is_dir() and not store.is_cache(output)):
+        return [(docs[0], output or Path(docs[0]).parent / documents.cache_name(docs[0]))], None
+    if output is not None and (store.is_cache(output) or (output.exists() and not output.is_dir())):
+        raise UsageError(f"{output}: with several documents, -o must be a folder")
+    targets = [(d, (output or Path(d).parent) / documents.cache_name(d)) for d in docs]
+    seen: dict[str, str] = {}
+    for doc, target in targets:
+        key = os.path.normcase(os.path.abspath(target))
+        if key in seen:
+            raise UsageError(f"{seen[key]} and {doc} would both be written to {target}; rename one or use separate -o folders")
+        seen[key] = doc
+    return targets, output

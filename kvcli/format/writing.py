@@ -20,8 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..documents import cache_name
-from ..errors import CacheBusyError, CacheExistsError, KvcliError, UsageError
+from ..errors import CacheBusyError, CacheExistsError, KvcliError
 from .store import TMP_MARK, is_cache
 
 LOCK_SUFFIX = ".kvlock"  # ".NAME.kvlock" beside a cache: a prefill is writing NAME
@@ -309,26 +308,6 @@ def _installed(target: Path) -> None:
         _fsync_dir(target.parent)
     except OSError:
         pass
-
-
-def cache_targets(docs: list[str], output: Path | None) -> tuple[list[tuple[str, Path]], Path | None]:
-    """Where a prefill of these documents writes: (document, cache path) pairs, and the -o folder to create.
-    Refused before any work (UsageError): stdin without one -o cache, -o a file or cache for several
-    documents, two documents aimed at one cache."""
-    if "-" in docs and (output is None or len(docs) > 1):
-        raise UsageError("reading the document from stdin ('-') needs -o CACHE and no other document")
-    if len(docs) == 1 and not (output is not None and output.is_dir() and not is_cache(output)):
-        return [(docs[0], output or Path(docs[0]).parent / cache_name(docs[0]))], None
-    if output is not None and (is_cache(output) or (output.exists() and not output.is_dir())):
-        raise UsageError(f"{output}: with several documents, -o must be a folder")
-    targets = [(d, (output or Path(d).parent) / cache_name(d)) for d in docs]
-    seen: dict[str, str] = {}
-    for doc, target in targets:
-        key = os.path.normcase(os.path.abspath(target))
-        if key in seen:
-            raise UsageError(f"{seen[key]} and {doc} would both be written to {target}; rename one or use separate -o folders")
-        seen[key] = doc
-    return targets, output
 
 
 def make_folder(folder: Path) -> None:

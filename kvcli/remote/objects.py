@@ -8,9 +8,7 @@ every URL it prints.
 
 from __future__ import annotations
 
-import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -149,40 +147,6 @@ def verify(url: str) -> mf.Manifest:
         store.check_payload(data, where=where, transform=m.transform, dtype=m.dtype, key_shape=entry.key_shape,
                             value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes, quant=m.quant)
     return m
-
-
-@dataclass(frozen=True)
-class RemoteTarget:
-    """A cache at an fsspec URL, for corpus runs: built in a local temporary folder, then uploaded."""
-
-    url: str
-
-    @property
-    def name(self) -> str:
-        return redact(self.url)
-
-    def current(self) -> mf.Manifest | None:
-        """The manifest there, if it parses and every shard it names is present at its size."""
-        try:
-            m = read_manifest(self.url)
-            sizes = shard_sizes(self.url)
-        except KvcliError:
-            return None
-        if any(sizes.get(e.file) != e.stored_bytes for e in m.layers):
-            return None
-        return m
-
-    def write(self, lm: Any, document: Document, *, force: bool, **options: Any):
-        from ..engine.sections import build
-
-        check_writable(self.url)
-        if options.get("after") is not None:
-            raise UsageError(f"{self.url}: a cache that extends another (--after) is written to a local folder, "
-                             "beside its base; upload the chain's folders together")
-        with tempfile.TemporaryDirectory(prefix="kvcli-upload-") as tmp:
-            r = build.prefill(lm, document, Path(tmp) / "cache.kv", **options)
-            upload(r.path, self.url, force=force)
-        return r
 
 
 def cache_urls(url: str, *, suffix: str = "") -> list[str]:

@@ -1,13 +1,17 @@
-"""Where a corpus run reads each document and writes its cache: local paths or fsspec URLs."""
+"""Where a corpus run reads each document and writes its cache: local paths or fsspec URLs (through kvcli.remote)."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from . import is_url
 from ..documents import Document, cache_name
-from ..errors import UsageError
+from ..errors import KvcliError, UsageError
+from ..format import manifest as mf
+from ..remote import is_url, objects, redact
 
 
 def target_for(output: str | None, *, single: bool) -> Callable[[str], object]:
@@ -16,16 +20,14 @@ def target_for(output: str | None, *, single: bool) -> Callable[[str], object]:
     single (one document, no list): `output` names the cache itself unless it is an existing folder
     (or a URL ending in '/'), as for a plain prefill.
     """
-    from ..engine import corpus
+    from . import corpus
     from ..format.store import is_cache
 
     if output is not None and is_url(output):
-        from . import objects
-
         objects.check_writable(output)
         if single and not output.endswith("/"):
-            return lambda entry: objects.RemoteTarget(output)
-        return lambda entry: objects.RemoteTarget(objects.join(output, cache_name(entry)))
+            return lambda entry: RemoteTarget(output)
+        return lambda entry: RemoteTarget(objects.join(output, cache_name(entry)))
     if output is not None:
         folder = Path(output)
         if single and not (folder.is_dir() and not is_cache(folder)):
@@ -51,9 +53,41 @@ def reader(encoding: str = "utf-8") -> Callable[[str], Document]:
 
     def read(entry: str) -> Document:
         if is_url(entry):
-            from . import objects
-
             return objects.read_document(entry, encoding)
         return documents.read(entry, encoding)
 
     return read
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    """A cache at an fsspec URL, for corpus runs: built in a local temporary folder, then uploaded."""
+
+    url: str
+
+    @property
+    def name(self) -> str:
+        return redact(self.url)
+
+    def current(self) -> mf.Manifest | None:
+        """The manifest there, if it parses and every shard it names is present at its size."""
+        try:
+            m = objects.read_manifest(self.url)
+            sizes = objects.shard_sizes(self.url)
+        except KvcliError:
+            return None
+        if any(sizes.get(e.file) != e.stored_bytes for e in m.layers):
+            return None
+        return m
+
+    def write(self, lm: Any, document: Document, *, force: bool, **options: Any):
+        from .sections import build
+
+        objects.check_writable(self.url)
+        if options.get("after") is not None:
+            raise UsageError(f"{self.url}: a cache that extends another (--after) is written to a local folder, "
+                             "beside its base; upload the chain's folders together")
+        with tempfile.TemporaryDirectory(prefix="kvcli-upload-") as tmp:
+            r = build.prefill(lm, document, Path(tmp) / "cache.kv", **options)
+            objects.upload(r.path, self.url, force=force)
+        return r
