@@ -182,7 +182,7 @@ def test_native_product_is_the_8bit_activations_product(kind, x_dtype):
     """At every CPU level: y equals sum over blocks of (activation scale) * sum(w * code), computed in float64, to
     float32's rounding; and it is within the rigorous bound of 8-bit rounding of the float product x W^T:
     |y - x W^T| <= sum over blocks of scale / 2 * sum |w| (the measured error is printed)."""
-    rows, cols, n = 40, 768, 3
+    rows, cols, n = 42, 768, 6  # four weight rows at a time and single ones, four activation rows and single ones
     raw = random_tensor(kind, rows, cols, seed=11)
     w = gguf_values(kind, raw, rows, cols).double()  # [rows, cols]
     x = torch.randn(n, cols, generator=torch.Generator().manual_seed(2)).to(x_dtype)
@@ -208,6 +208,21 @@ def test_native_product_is_the_8bit_activations_product(kind, x_dtype):
 
 @needs_native
 @pytest.mark.parametrize("kind", QUANTIZED)
+def test_native_rows_do_not_depend_on_their_neighbours(kind):
+    """Each row of x gets the same bits alone as beside any number of other rows, at every level: a question's
+    tokens, or a batch's rows, multiply as one-row steps do."""
+    rows, cols = 29, 512
+    raw = random_tensor(kind, rows, cols, seed=3)
+    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(rows)
+    for level in levels():
+        alone = torch.cat([native.gemv(kind, raw, cols, x[i : i + 1], bias, at=level) for i in range(len(x))])
+        for n in (2, 4, 5, 11):
+            assert torch.equal(native.gemv(kind, raw, cols, x[:n], bias, at=level), alone[:n]), (level, n)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", QUANTIZED)
 def test_packed_linear_native_and_torch_paths(kind):
     rows, cols = 64, 512
     layer, w, b = _layer(kind, rows, cols, bias=True)
@@ -221,7 +236,9 @@ def test_packed_linear_native_and_torch_paths(kind):
     assert not torch.equal(fast, slow)  # two arithmetics: 8-bit activations, bfloat16 ones
     _close(fast, ref, 2e-2)
     _close(slow, ref, 2e-2)
-    many = torch.randn(modules.GEMV_ROWS + 1, cols)  # prefill: bfloat16 GEMM on natively dequantized tiles
+    few = torch.randn(modules.native_rows(kind), cols)  # the most rows the native kernel takes
+    assert torch.equal(layer(few), native.gemv(kind, layer.blocks, cols, few, layer.bias))
+    many = torch.randn(modules.native_rows(kind) + 1, cols)  # prefill: bfloat16 GEMM on natively dequantized tiles
     assert torch.equal(layer(many), torch_layer(many))
 
 

@@ -2,9 +2,11 @@
 the test run): one-row products (decoding) on the native kernel (8-bit activations, integer dot products), the
 pure-torch path, and torch's weight-only `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` on the same shapes;
 many-row products (prefill) as bfloat16 GEMMs on weights dequantized by the native code and by torch.
+`--rows 8,16,32,64,128` instead times, per shape, the native kernel on that many rows against the GEMM path (at
+`--level`, default the CPU's best): where the ratio passes 1 is the crossover kernels/modules.py's NATIVE_ROWS holds.
 
 Usage: flock /tmp/kvcli-heavy.lock python tests/bench/bench_kernels.py [--model 0.5b,7b] [--threads 2] [--prefill 512]
-[--no-torch-path] [--cold-mb 600] [--json]. Weights are cycled through copies, so each product reads
+[--no-torch-path] [--cold-mb 600] [--json] [--rows 8,16,32,64 [--level 1|2|3]]. Weights are cycled through copies, so each product reads
 its weight from memory as a decoding step does (the L3 cache here is large). Random blocks (finite scales): speed
 does not depend on the values. GB/s counts the
 bytes each kernel reads for its weight (the file's blocks; int8/int4 codes and scales for torch's kernels).
@@ -109,6 +111,26 @@ def one_shape(kind: str, rows: int, cols: int, torch_path: bool, prefill: int, c
     return r
 
 
+def rows_against_gemm(model: str, counts: list[int], level: int | None) -> None:
+    """Print, per distinct shape of `model`, the native kernel's time on each count of rows against the GEMM path's
+    (weights dequantized natively to bfloat16 tiles), with their ratio: below 1, the native kernel is faster."""
+    from kvcli.engine.model.kernels import modules
+
+    spec = SHAPES[model]
+    seen = set()
+    for name, kind, rows, cols, _ in spec["linears"]:
+        if (kind, rows, cols) in seen or not native.runs(kind):
+            continue
+        seen.add((kind, rows, cols))
+        blocks = random_blocks(kind, rows, cols)
+        for n in counts:
+            x = torch.randn(n, cols)
+            g = timed(lambda i: native.gemv(kind, blocks, cols, x, None, at=level), budget=0.5)
+            m = timed(lambda i: modules.bf16_product(kind, blocks, x, cols, use_native=True), budget=0.5)
+            print(f"{model:4s} {name:6s} {kind:4s} {rows:6d}x{cols:<5d} rows {n:4d}: native {g:8.2f} ms | "
+                  f"GEMM {m:8.2f} ms | ratio {g / m:5.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="0.5b,7b")
@@ -118,8 +140,15 @@ def main() -> None:
     ap.add_argument("--no-output", action="store_true", help="skip the output layer (the largest shape)")
     ap.add_argument("--cold-mb", type=int, default=600, help="weights read between two reads of one (beyond the caches)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rows", default="", help="counts of rows: time the native kernel against the GEMM path")
+    ap.add_argument("--level", type=int, default=None, help="the native kernel's level for --rows (1 avx2, 2 avx-vnni, 3 avx512-vnni)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.rows:
+        print(f"backend {kernels.backend()}, level {args.level or native.level()}, {args.threads} threads", flush=True)
+        for model in args.model.split(","):
+            rows_against_gemm(model, [int(n) for n in args.rows.split(",")], args.level)
+        return
     result = {"machine": platform.processor() or platform.machine(), "threads": args.threads, "backend": kernels.backend(),
               "torch": torch.__version__, "cold_mb": args.cold_mb, "models": {}}
     for model in args.model.split(","):

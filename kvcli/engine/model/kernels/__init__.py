@@ -6,7 +6,7 @@ The contract with the loader (it stores `prepare`'s tensors, keyed on LAYOUT_VER
   layers' tensors, plain CPU tensors; a pure function of the bytes.
 - `dequantize(kind, tensors, rows, cols)`: float32 [rows, cols], exactly gguf's values.
 - `PackedLinear` and `PackedEmbedding` (modules.py) on those tensors; `backend()` names the decode kernel in use.
-Few rows (decoding) run the native integer-dot kernel where it is built; otherwise, and for many rows (prefill),
+Few rows (decoding, a question's tokens) run the native integer-dot kernel where it is built; otherwise, and for many rows (prefill),
 the weights are dequantized to bfloat16 a tile at a time for one GEMM each, never kept.
 """
 

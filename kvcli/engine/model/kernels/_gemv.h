@@ -75,40 +75,53 @@ static void FN(quantize_row)(const void *xv, int bf16, int64_t cols, int group, 
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* Per-32 formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), R rows at a time (w: the first row, `stride` bytes between rows),
-   against one row of activations quantized per 32 (q, d, sums s): res[r] = the dot product of row r. Offsets of
-   unsigned codes (-8, -16) are taken off as integers (times the activations' sums) before the block's scale. */
-INLINE void FN(dot_q32)(const int kind, const int R, const uint8_t *w, int64_t stride, int64_t nb, const int8_t *q,
-                        const float *d, const int32_t *s, float *res) {
-    __m256 acc[4];
-    float corr[4] = {0, 0, 0, 0};
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+/* Per-32 formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), R weight rows (w: the first, `stride` bytes between rows) against
+   X rows of activations quantized per 32 (codes q, scales d, sums s; row j at q + j * cols, d + j * nb, s + j * nb):
+   res[r * X + j] = the dot product of weight row r and activation row j. Each weight block is unpacked once for
+   the X rows; every (r, j) sums in the same order whatever R and X, so a row's result does not depend on its
+   neighbours. Offsets of unsigned codes (-8, -16) are taken off as integers (times the activations' sums). */
+INLINE void FN(dot_q32)(const int kind, const int R, const int X, const uint8_t *w, int64_t stride, int64_t nb,
+                        const int8_t *q, int64_t cols, const float *d, const int32_t *s, float *res) {
+    __m256 acc[4][4];
+    float corr[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < X; j++) { acc[r][j] = _mm256_setzero_ps(); corr[r][j] = 0; }
     const int size = kind == K_Q8_0 ? 34 : kind == K_Q4_0 ? 18 : kind == K_Q4_1 ? 20 : kind == K_Q5_0 ? 22 : 24;
     for (int64_t b = 0; b < nb; b++) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
-        const float dx = d[b];
-        const int sb = s[b];
+        __m256i x[4];
+        float dx[4];
+        int sb[4];
+        for (int j = 0; j < X; j++) {
+            x[j] = _mm256_loadu_si256((const __m256i *)(q + j * cols + 32 * b));
+            dx[j] = d[j * nb + b];
+            sb[j] = s[j * nb + b];
+        }
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = w + r * stride + size * b;
             if (R > 1 && (b & 1) == 0) _mm_prefetch((const char *)blk + PREFETCH_ROWS * stride, _MM_HINT_T0);
-            __m256i p = _mm256_setzero_si256();
-            if (kind == K_Q8_0) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 2));
-                p = DOT_U8S8(p, _mm256_sign_epi8(v, v), _mm256_sign_epi8(x, v));
+            const float dw = FN(f16)(blk);
+            __m256i u, v = _mm256_setzero_si256();
+            if (kind == K_Q8_0) {  /* signed codes: |w| times x with w's signs */
+                v = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                u = _mm256_sign_epi8(v, v);
             } else if (kind == K_Q4_0 || kind == K_Q4_1) {
-                p = DOT_U8S8(p, FN(nibbles)(blk + size - 16), x);
+                u = FN(nibbles)(blk + size - 16);
             } else {
                 uint32_t qh;
                 memcpy(&qh, blk + size - 20, 4);
-                p = DOT_U8S8(p, _mm256_or_si256(FN(nibbles)(blk + size - 16), HIGH_BITS(qh)), x);
+                u = _mm256_or_si256(FN(nibbles)(blk + size - 16), HIGH_BITS(qh));
             }
-            if (kind == K_Q4_0 || kind == K_Q5_0)
-                p = _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128((kind == K_Q4_0 ? 8 : 16) * sb)));
-            if (kind == K_Q4_1 || kind == K_Q5_1) corr[r] += FN(f16)(blk + 2) * dx * (float)sb;
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(FN(f16)(blk) * dx), acc[r]);
+            for (int j = 0; j < X; j++) {
+                __m256i p = DOT_U8S8(_mm256_setzero_si256(), u, kind == K_Q8_0 ? _mm256_sign_epi8(x[j], v) : x[j]);
+                if (kind == K_Q4_0 || kind == K_Q5_0)
+                    p = _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128((kind == K_Q4_0 ? 8 : 16) * sb[j])));
+                if (kind == K_Q4_1 || kind == K_Q5_1) corr[r][j] += FN(f16)(blk + 2) * dx[j] * (float)sb[j];
+                acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * dx[j]), acc[r][j]);
+            }
         }
     }
-    for (int r = 0; r < R; r++) res[r] = FN(hsum_ps)(acc[r]) + corr[r];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < X; j++) res[r * X + j] = FN(hsum_ps)(acc[r][j]) + corr[r][j];
 }
 
 /* Q4_K and Q5_K's 6-bit scales (bytes 0-7) and mins (8-15) of one block, as 16 int16. */
@@ -141,26 +154,35 @@ static const uint8_t FN(spread6)[4][32] __attribute__((aligned(32))) = {
 #define SPREAD(v, j) _mm256_shuffle_epi8(v, _mm256_load_si256((const __m256i *)FN(spread)[j]))
 #define SPREAD6(v, j) _mm256_shuffle_epi8(v, _mm256_load_si256((const __m256i *)FN(spread6)[j]))
 
-/* Q4_K, Q5_K, Q6_K, R rows at a time, against one row of activations quantized per 256 (q, d) with sums per 16. */
-INLINE void FN(dot_k)(const int kind, const int R, const uint8_t *w, int64_t stride, int64_t nb, const int8_t *q,
-                      const float *d, const int16_t *s16, float *res) {
-    __m256 acc[4];
-    __m128 accm[4];
-    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = _mm_setzero_ps(); }
+/* Q4_K, Q5_K, Q6_K, R weight rows against X rows of activations quantized per 256 (codes q, scales d, sums per 16
+   s16; row j at q + j * cols, d + j * nb, s16 + j * 16 * nb), as dot_q32 (res[r * X + j], the same order for every
+   R and X). */
+INLINE void FN(dot_k)(const int kind, const int R, const int X, const uint8_t *w, int64_t stride, int64_t nb,
+                      const int8_t *q, int64_t cols, const float *d, const int16_t *s16, float *res) {
+    __m256 acc[4][4];
+    __m128 accm[4][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < X; j++) { acc[r][j] = _mm256_setzero_ps(); accm[r][j] = _mm_setzero_ps(); }
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const int size = kind == K_Q4_K ? 144 : kind == K_Q5_K ? 176 : 210;
     for (int64_t b = 0; b < nb; b++) {
-        const int8_t *x = q + 256 * b;
-        const __m256i bs = _mm256_loadu_si256((const __m256i *)(s16 + 16 * b));
-        const float dx = d[b];
+        const int8_t *x[4];
+        __m256i bs[4];
+        float dx[4];
+        for (int j = 0; j < X; j++) {
+            x[j] = q + j * cols + 256 * b;
+            bs[j] = _mm256_loadu_si256((const __m256i *)(s16 + 16 * (j * nb + b)));
+            dx[j] = d[j * nb + b];
+        }
         if (kind == K_Q6_K) {
             for (int r = 0; r < R; r++) {
                 const uint8_t *blk = w + r * stride + size * b;
                 for (int l = 0; l < size; l += 64) _mm_prefetch((const char *)blk + PREFETCH_ROWS * stride + l, _MM_HINT_T0);
                 const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
                 const __m256i sv[2] = {_mm256_permute2x128_si256(sc, sc, 0x00), _mm256_permute2x128_si256(sc, sc, 0x11)};
-                __m256i p = _mm256_slli_epi32(_mm256_madd_epi16(sc, bs), 5);
-                p = _mm256_sub_epi32(_mm256_setzero_si256(), p);  /* the codes' offset: -32 * scale * sums */
+                __m256i p[4];
+                for (int j = 0; j < X; j++)  /* the codes' offset: -32 * scale * sums */
+                    p[j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc, bs[j]), 5));
                 for (int h = 0; h < 2; h++) {
                     const __m256i l0 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h));
                     const __m256i l1 = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
@@ -172,15 +194,22 @@ INLINE void FN(dot_k)(const int kind, const int R, const uint8_t *w, int64_t str
                     c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), _mm256_set1_epi8(0x30)));
                     for (int k = 0; k < 4; k++) {
-                        const __m256i t = _mm256_maddubs_epi16(c[k], _mm256_loadu_si256((const __m256i *)(x + 128 * h + 32 * k)));
-                        p = DOT_S16(p, t, SPREAD6(sv[h], k));
+                        const __m256i scale = SPREAD6(sv[h], k);
+                        for (int j = 0; j < X; j++) {
+                            const __m256i t = _mm256_maddubs_epi16(c[k], _mm256_loadu_si256((const __m256i *)(x[j] + 128 * h + 32 * k)));
+                            p[j] = DOT_S16(p[j], t, scale);
+                        }
                     }
                 }
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(FN(f16)(blk + 208) * dx), acc[r]);
+                const float dw = FN(f16)(blk + 208);
+                for (int j = 0; j < X; j++)
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[j]), _mm256_set1_ps(dw * dx[j]), acc[r][j]);
             }
         } else {
-            /* sums per 32 (sub-block j: sums 2j and 2j+1), in int16 lanes 0-7 */
-            const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            /* sums per 32 (sub-block i: sums 2i and 2i+1), in int16 lanes 0-7 */
+            __m128i bs32[4];
+            for (int j = 0; j < X; j++)
+                bs32[j] = _mm_hadd_epi16(_mm256_castsi256_si128(bs[j]), _mm256_extracti128_si256(bs[j], 1));
             for (int r = 0; r < R; r++) {
                 const uint8_t *blk = w + r * stride + size * b;
                 for (int l = 0; l < size; l += 64) _mm_prefetch((const char *)blk + PREFETCH_ROWS * stride + l, _MM_HINT_T0);
@@ -188,8 +217,12 @@ INLINE void FN(dot_k)(const int kind, const int R, const uint8_t *w, int64_t str
                 const __m256i sm = FN(k_scales_mins)(blk + 4);
                 const __m256i sc = _mm256_permute2x128_si256(sm, sm, 0x00);
                 const __m128i mins = _mm256_extracti128_si256(sm, 1);
-                accm[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), _mm_set1_ps(FN(f16)(blk + 2) * dx), accm[r]);
-                __m256i p = _mm256_setzero_si256();
+                const float dmin = FN(f16)(blk + 2), dw = FN(f16)(blk);
+                __m256i p[4];
+                for (int j = 0; j < X; j++) {
+                    accm[r][j] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32[j])), _mm_set1_ps(dmin * dx[j]), accm[r][j]);
+                    p[j] = _mm256_setzero_si256();
+                }
                 const __m256i qh = kind == K_Q5_K ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
                 for (int i = 0; i < 4; i++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
@@ -199,47 +232,59 @@ INLINE void FN(dot_k)(const int kind, const int R, const uint8_t *w, int64_t str
                         lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h, 4), _mm256_set1_epi8(16)));
                         hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(h, 3), _mm256_set1_epi8(16)));
                     }
-                    const __m256i t0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x + 64 * i)));
-                    const __m256i t1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 64 * i + 32)));
-                    p = DOT_S16(p, t0, SPREAD(sc, 2 * i));
-                    p = DOT_S16(p, t1, SPREAD(sc, 2 * i + 1));
+                    const __m256i s0 = SPREAD(sc, 2 * i), s1 = SPREAD(sc, 2 * i + 1);
+                    for (int j = 0; j < X; j++) {
+                        const __m256i t0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x[j] + 64 * i)));
+                        const __m256i t1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x[j] + 64 * i + 32)));
+                        p[j] = DOT_S16(p[j], t0, s0);
+                        p[j] = DOT_S16(p[j], t1, s1);
+                    }
                 }
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(FN(f16)(blk) * dx), acc[r]);
+                for (int j = 0; j < X; j++)
+                    acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[j]), _mm256_set1_ps(dw * dx[j]), acc[r][j]);
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        __m128 m = accm[r];
-        m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_add_ss(m, _mm_movehdup_ps(m));
-        res[r] = FN(hsum_ps)(acc[r]) - _mm_cvtss_f32(m);
-    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < X; j++) {
+            __m128 m = accm[r][j];
+            m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            res[r * X + j] = FN(hsum_ps)(acc[r][j]) - _mm_cvtss_f32(m);
+        }
 }
 
 #undef SPREAD
 #undef SPREAD6
 
+/* R weight rows from row r against X activation rows from row i: out[i + j, r + k] for k < R, j < X. */
+#define DOT_TILE(KIND, R, X)                                                                                         \
+    do {                                                                                                             \
+        float v[(R) * (X)];                                                                                          \
+        if (is_k(KIND)) FN(dot_k)(KIND, R, X, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols, g->cols,\
+                                  g->d + i * nb, g->s16 + i * (g->cols / 16), v);                                    \
+        else FN(dot_q32)(KIND, R, X, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols, g->cols,          \
+                         g->d + i * nb, g->s32 + i * (g->cols / 32), v);                                             \
+        for (int k = 0; k < (R); k++) for (int j = 0; j < (X); j++) put(g, i + j, r + k, v[k * (X) + j]);              \
+    } while (0)
+
+/* Four weight rows at a time (one activation load serves them), each against four activation rows at a time (one
+   unpacking of the weights serves those); the rest one by one. */
 #define ROWS_OF(KIND)                                                                                               \
-    for (; r + 4 <= r1; r += 4) for (int64_t i = 0; i < g->n; i++) {                                               \
-        float v[4];                                                                                                 \
-        if (is_k(KIND)) FN(dot_k)(KIND, 4, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols,           \
-                                  g->d + i * nd, g->s16 + i * (g->cols / 16), v);                                   \
-        else FN(dot_q32)(KIND, 4, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols, g->d + i * nd,     \
-                         g->s32 + i * (g->cols / 32), v);                                                           \
-        for (int k = 0; k < 4; k++) put(g, i, r + k, v[k]);                                                         \
+    for (; r + 4 <= r1; r += 4) {                                                                                   \
+        int64_t i = 0;                                                                                              \
+        for (; i + 4 <= g->n; i += 4) DOT_TILE(KIND, 4, 4);                                                         \
+        for (; i < g->n; i++) DOT_TILE(KIND, 4, 1);                                                                 \
     }                                                                                                               \
-    for (; r < r1; r++) for (int64_t i = 0; i < g->n; i++) {                                                       \
-        float v[1];                                                                                                 \
-        if (is_k(KIND)) FN(dot_k)(KIND, 1, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols,           \
-                                  g->d + i * nd, g->s16 + i * (g->cols / 16), v);                                   \
-        else FN(dot_q32)(KIND, 1, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols, g->d + i * nd,     \
-                         g->s32 + i * (g->cols / 32), v);                                                           \
-        put(g, i, r, v[0]);                                                                                         \
+    for (; r < r1; r++) {                                                                                           \
+        int64_t i = 0;                                                                                              \
+        for (; i + 4 <= g->n; i += 4) DOT_TILE(KIND, 1, 4);                                                         \
+        for (; i < g->n; i++) DOT_TILE(KIND, 1, 1);                                                                 \
     }
 
 /* out[i, r] = dot(x row i, w row r) (+ bias[r]) for rows [r0, r1) of w and the n rows of x (already quantized). */
 static void FN(rows)(const struct gemv *g, int64_t r0, int64_t r1) {
-    const int64_t group = is_k(g->kind) ? 256 : 32, nb = g->cols / group, nd = g->cols / group;
+    const int64_t nb = g->cols / (is_k(g->kind) ? 256 : 32);
     int64_t r = r0;
     switch (g->kind) {
     case K_Q4_0: ROWS_OF(K_Q4_0) break;
@@ -254,6 +299,7 @@ static void FN(rows)(const struct gemv *g, int64_t r0, int64_t r1) {
 }
 
 #undef ROWS_OF
+#undef DOT_TILE
 #undef INLINE
 
 static void FN(quantize)(const struct gemv *g) {

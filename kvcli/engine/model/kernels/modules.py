@@ -12,7 +12,12 @@ from . import native
 from .formats import dequantize_rows
 
 TILE = 1 << 22  # weights dequantized at a time for a GEMM (8 MiB of bfloat16): the transient such a product adds
-GEMV_ROWS = 8  # up to this many rows of x, the native kernel (8-bit activations, integer dots); more: bfloat16 GEMMs
+# Up to this many rows of x (a question after a restore, a batched step), the native kernel: 8-bit activations,
+# integer dots, each weight block unpacked once for four rows. More rows (prefill): bfloat16 GEMMs on tiles
+# dequantized natively. The crossovers were measured at each kernel level (tests/bench/bench_kernels.py --rows);
+# Q6_K dequantizes slowest, so the native kernel stays ahead for more rows there.
+NATIVE_ROWS = {"Q6_K": 128}
+NATIVE_ROWS_OTHERS = 32
 
 _TORCH_ONLY: ContextVar[bool] = ContextVar("kvcli_kernels_torch_only", default=False)
 
@@ -31,6 +36,11 @@ def backend() -> str:
     """The decode kernel layers use here and now: the native kernels' CPU level ("avx512-vnni", "avx-vnni",
     "avx2"), or "torch" (dequantize + GEMM) where they are not built, not supported, or torch_only() holds."""
     return "torch" if _TORCH_ONLY.get() or not native.level() else native.LEVELS[native.level()]
+
+
+def native_rows(kind: str) -> int:
+    """The most rows of x a layer of `kind` multiplies with the native kernel (where it runs); more: GEMMs."""
+    return NATIVE_ROWS.get(kind, NATIVE_ROWS_OTHERS)
 
 
 def _native_here(kind: str, allowed: bool) -> bool:
@@ -57,7 +67,7 @@ def bf16_product(kind: str, blocks: torch.Tensor, rows: torch.Tensor, cols: int,
 
 class PackedLinear(torch.nn.Module):
     """y = x W^T (+ bias) with W a GGUF tensor's blocks of `kind` [rows (out), cols (in)]; x float32 or bfloat16,
-    y in x's dtype. Up to GEMV_ROWS rows run the native kernel where it is built (`native=False`, or torch_only(),
+    y in x's dtype. Up to native_rows(kind) rows run the native kernel where it is built (`native=False`, or torch_only(),
     keeps the layer on the pure-torch path); more rows, bfloat16 GEMMs on weights dequantized a tile at a time."""
 
     def __init__(self, kind: str, rows: int, cols: int, tensors: dict[str, torch.Tensor],
@@ -71,7 +81,7 @@ class PackedLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         rows = x.reshape(-1, self.in_features)
         use_native = _native_here(self.kind, self.native)
-        if use_native and rows.shape[0] <= GEMV_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        if use_native and rows.shape[0] <= native_rows(self.kind) and x.dtype in (torch.float32, torch.bfloat16):
             bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
             return native.gemv(self.kind, self.blocks, self.in_features, rows, bias).view(*x.shape[:-1], self.out_features)
         y = bf16_product(self.kind, self.blocks, rows, self.in_features, use_native).float()
