@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one of the README test command's pa
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ["KVCLI_AUTOSTART"] = "0"  # module fixtures start kvcli processes before any test runs: none may start a background server
 os.environ["KVCLI_SOCKET"] = os.path.join(tempfile.gettempdir(), f"kvcli-tests-{os.getpid()}-none.sock")  # and never reach a running one
+if not (os.environ.get("PYTEST_CURRENT_TEST") and os.environ.get("PYTEST_KVCLI_RUN")):  # a process a test started keeps its run's
+    os.environ["PYTEST_KVCLI_RUN"] = f"{uuid.uuid4().hex}-{os.getpid()}"  # carried by every process started, KVCLI_* cleared or not
+RUN_TAG = os.environ["PYTEST_KVCLI_RUN"]
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 collect_ignore = ["bench"]  # development benchmarks and scripts, each run as a file: python tests/bench/NAME.py
 
@@ -25,6 +31,40 @@ def session_home(tmp_path_factory) -> Path:
     home = Path(os.environ["KVCLI_TEST_HOME"]) if os.environ.get("KVCLI_TEST_HOME") else tmp_path_factory.mktemp("kvcli-home")
     home.mkdir(parents=True, exist_ok=True)
     return home
+
+
+def servers_left() -> list[int]:
+    """The pids of the kvcli servers still running that this test process started (their environment carries
+    RUN_TAG), however they were started: by a test, or by a command that started one by itself."""
+    tag, found = f"PYTEST_KVCLI_RUN={RUN_TAG}".encode(), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            args = Path(entry.path, "cmdline").read_bytes().split(b"\0")
+            if b"serve" not in args or not any(a == b"kvcli" or a.endswith(b"/kvcli") for a in args):
+                continue
+            if tag in Path(entry.path, "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_server_left_behind():
+    """A test run leaves no kvcli server running: one still up once every test is done (a moment given to
+    those stopping) fails the run and is stopped here."""
+    yield
+    deadline = time.monotonic() + 10
+    while (left := servers_left()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"kvcli servers left running by this test run (stopped now): pids {left}"
 
 
 @pytest.fixture(autouse=True)

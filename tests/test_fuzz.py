@@ -940,7 +940,8 @@ def _run_worker(scratch: Path, pristine: Path, model: Path, seconds: float, quan
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVCLI_", "HF_", "TRANSFORMERS_"))}
     env.update(HOME=str(scratch / "home"), KVCLI_HOME=str(scratch / "kvcli-home"), TMPDIR=str(scratch), HF_HOME=str(scratch / "hf"),
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO),
-               KVCLI_FUZZ_SEED=str(SEED), KVCLI_FUZZ_SECONDS=str(seconds))
+               KVCLI_FUZZ_SEED=str(SEED), KVCLI_FUZZ_SECONDS=str(seconds),
+               KVCLI_AUTOSTART="0")  # every ask in the worker itself, under its limits: no background server
     cfg = {"scratch": str(scratch), "pristine": str(pristine), "model": str(model), "quant": quant}
     proc = subprocess.run([sys.executable, __file__, json.dumps(cfg)], cwd=scratch, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -9,6 +9,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import time
 
 import pytest
@@ -210,3 +211,21 @@ def test_autostart_idle_setting_is_checked(life, monkeypatch):
     monkeypatch.setenv("KVCLI_AUTOSTART_IDLE", "soon")
     result = run("ask", "-c", life["cache"], "Q?", "--max-new-tokens", "3")
     assert result.exit_code == 2 and "KVCLI_AUTOSTART_IDLE soon" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_suite_sees_a_server_it_started_even_with_kvcli_settings_cleared():
+    """The run's last check (conftest's servers_left) finds a `kvcli serve` this run started, whatever
+    environment it was started with (a fuzz worker clears KVCLI_*), and nothing once it is gone."""
+    from tests.conftest import servers_left
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCLI_")}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "kvcli", "serve"], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while proc.pid not in servers_left() and time.monotonic() < deadline:
+            time.sleep(0.05)  # its command line appears once it has exec'd
+        assert proc.pid in servers_left()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.pid not in servers_left()
