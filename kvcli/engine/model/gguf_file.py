@@ -1,7 +1,8 @@
 """A GGUF file's header read without numpy or its tensors: the scalar fields and where each tensor's bytes lie.
 
-Arrays (the tokenizer's tokens and merges) are skipped, not decoded: config and tokenizer come from transformers'
-own GGUF reading, once per file (models.config_and_tokenizer). Any file that is not a whole GGUF (wrong magic, a
+Arrays of numbers are read; arrays of strings (the tokenizer's tokens and merges) are skipped, not decoded, and kept
+as their length (Strings): the config is mapped from these fields (gguf_config), the tokenizer is read by
+transformers' own GGUF tokenizer reader. Any file that is not a whole GGUF (wrong magic, a
 version this reader does not know, a header or tensor data cut short) is a ModelError naming the file.
 """
 
@@ -31,6 +32,13 @@ TYPES: dict[int, tuple[str, int, int]] = {
 
 
 @dataclass(frozen=True)
+class Strings:
+    """An array of strings left in the file (a vocabulary, merges): only its length is read."""
+
+    count: int
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     """One tensor: its GGUF type name, rows and columns (a 1-D tensor: 1 row), and its bytes' place in the file."""
 
@@ -47,7 +55,7 @@ class TensorInfo:
 
 @dataclass
 class Header:
-    fields: dict[str, Any]  # scalar and string fields; arrays as their length
+    fields: dict[str, Any]  # scalars and strings; arrays of numbers as tuples, of strings as Strings
     tensors: dict[str, TensorInfo]
     size: int  # the file's size in bytes
 
@@ -95,11 +103,15 @@ class _Cursor:
             item, count = self.take("<I"), self.take("<Q")
             if item == _STRING:
                 self.skip_strings(count)
-            elif item in _SCALARS:
-                self.at += struct.calcsize(_SCALARS[item]) * count
-            else:
+                return Strings(count)
+            if item not in _SCALARS:
                 raise ModelError(f"{self.path}: GGUF array of unknown value type {item}")
-            return count
+            fmt = f"<{count}{_SCALARS[item][1]}"
+            if self.at + struct.calcsize(fmt) > len(self.buf):
+                raise ModelError(f"{self.path}: the GGUF header is cut short (truncated file?)")
+            values = struct.unpack_from(fmt, self.buf, self.at)
+            self.at += struct.calcsize(fmt)
+            return values
         raise ModelError(f"{self.path}: GGUF field of unknown value type {kind}")
 
 

