@@ -4,7 +4,7 @@ prompt ids.
     .ci/llamacpp-up                       # once: llama-cpp-python built from source in a venv of its own
     nice python tests/bench/bench_llamacpp.py [--model FILE.gguf] [--modes float32,q8,bfloat16,llamacpp]
         [--tokens 2048] [--repeats 3] [--max-new-tokens 64] [--questions 4] [--doc samples/document.txt]
-        [--generate] [--fresh-convert] [--threads N] [--busy N] [--json]
+        [--generate] [--fresh-convert] [--first] [--threads N] [--busy N] [--json]
     nice python tests/bench/bench_llamacpp.py --tokens 512 --repeats 1 --max-new-tokens 16    # a quick look
     nice python tests/bench/bench_llamacpp.py --weights q4                # one mode beside llama.cpp: --modes q4,llamacpp
 
@@ -12,8 +12,12 @@ Run from kvcli's venv. --model: any .gguf file (default: kvcli's default model f
 (default: every mode): float32 and bfloat16 (--dtype, float weights), each --weights mode of
 kvcli.engine.model.stored.MODES but "float" (read at run time), WEIGHTS+DTYPE for both (q8+bfloat16), and
 llamacpp. Each kvcli mode runs in a fresh process of kvcli's python (an honest load time, no shared memory),
-one after another: load, prefill the document (its first --tokens tokens, when given), a warm-up answer, then
---repeats times a fresh Session (restore) and the first question, then the other questions. llama.cpp runs in
+one after another: a load alone (what a first load in this KVCLI_HOME prepares is done there), then in a new
+process the timed run: load ("ready": interpreter, imports and load, as a user's later runs meet it), prefill the
+document (its first --tokens tokens, when given), a warm-up answer, then --repeats times a fresh Session (restore)
+and the first question, then the other questions. --first also times each mode's first load in an empty
+KVCLI_HOME (hashing the file, reading its header, preparing what is kept), and the table says what KVCLI_HOME keeps
+per mode. --busy N runs N busy-looping processes beside the whole run (both sides). llama.cpp runs in
 its own venv ($KVCLI_LLAMACPP_PYTHON, default /opt/kvcli-llamacpp-venv/bin/python; tests/bench/llamacpp_run.py)
 on the GGUF as stored, with the exact ids kvcli framed. All answer greedily, stopping at the model's end-of-turn
 ids. Prints a Markdown table (docs/performance.md), the answers' agreement with kvcli float32's tokens (reported,
@@ -383,8 +387,10 @@ def measure(args, result: dict, names: list[str], kv: list[str], ref: str, gguf:
                    "doc": str(cut) if cut.is_file() else doc, "tokens": None if cut.is_file() else args.tokens,
                    "questions": questions, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
                    "threads": args.threads, "generate": args.generate}
-            got = run([sys.executable, __file__, "--child"], cfg, cfg["name"], work)
-            got["prepared"] = sorted(set(os.listdir(home)) - before) if home.is_dir() else []  # one-time work inside "ready"
+            warm = run([sys.executable, __file__, "--child"], {**cfg, "load_only": True}, f"warm-{cfg['name']}", work)
+            got = run([sys.executable, __file__, "--child"], cfg, cfg["name"], work)  # "ready": a later load, as users meet it
+            got["prepared"] = sorted(set(os.listdir(home)) - before) if home.is_dir() else []  # one-time work, in the warm-up
+            got["warm_ready_s"] = warm.get("ready_s")
             got["kept_mb"] = kept_mb(gguf, weights)
             result["results"][n] = got
         prompt = result["results"][ref].get("prompt")
