@@ -207,7 +207,32 @@ def test_native_product_is_the_8bit_activations_product(kind, x_dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("kind", QUANTIZED)
+@pytest.mark.parametrize("kind", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_native_product_of_float_weights_is_float32s(kind, x_dtype):
+    """At every CPU level: float weights times x (as float32) equal the float64 product to float32's rounding of a
+    sum of cols / 8 + 8 terms (8 lanes, then across them); a bfloat16 result is that rounded."""
+    rows, cols, n = 42, 776, 6
+    raw = random_tensor(kind, rows, cols, seed=12)
+    w = gguf_values(kind, raw, rows, cols).double()
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(3)).to(x_dtype)
+    bias = torch.randn(rows)
+    exact = x.double() @ w.T + bias.double()
+    size = x.double().abs() @ w.abs().T + bias.double().abs()
+    rounding = (cols / 8 + 8) * 2 ** -24 * size
+    if x_dtype == torch.bfloat16:
+        rounding = rounding + 2 ** -8 * exact.abs()
+    for level in levels():
+        y = native.gemv(kind, raw, cols, x, bias, at=level)
+        assert y.dtype == x_dtype and y.shape == (n, rows)
+        assert bool(((y.double() - exact).abs() <= rounding).all()), level
+    with pytest.raises(ValueError, match="quantized"):
+        native.dequantize(kind, raw, cols)
+    assert not native.runs(kind, 12) and native.runs(kind, 16)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", QUANTIZED + ["F32", "F16", "BF16"])
 def test_native_rows_do_not_depend_on_their_neighbours(kind):
     """Each row of x gets the same bits alone as beside any number of other rows, at every level: a question's
     tokens, or a batch's rows, multiply as one-row steps do."""
@@ -222,7 +247,7 @@ def test_native_rows_do_not_depend_on_their_neighbours(kind):
 
 
 @needs_native
-@pytest.mark.parametrize("kind", QUANTIZED)
+@pytest.mark.parametrize("kind", KINDS)
 def test_packed_linear_native_and_torch_paths(kind):
     rows, cols = 64, 512
     layer, w, b = _layer(kind, rows, cols, bias=True)

@@ -81,7 +81,7 @@ def one_shape(kind: str, rows: int, cols: int, torch_path: bool, prefill: int, c
         return timed(call, **kw)
 
     with torch.inference_mode():
-        if native.runs(kind):
+        if native.runs(kind, cols):
             r["native_ms"] = cycled(packed, blocks)
         if torch_path:
             with kernels.torch_only():
@@ -119,7 +119,7 @@ def rows_against_gemm(model: str, counts: list[int], level: int | None) -> None:
     spec = SHAPES[model]
     seen = set()
     for name, kind, rows, cols, _ in spec["linears"]:
-        if (kind, rows, cols) in seen or not native.runs(kind):
+        if (kind, rows, cols) in seen or not native.runs(kind, cols):
             continue
         seen.add((kind, rows, cols))
         blocks = random_blocks(kind, rows, cols)

@@ -257,11 +257,42 @@ INLINE void FN(dot_k)(const int kind, const int R, const int X, const uint8_t *w
 #undef SPREAD
 #undef SPREAD6
 
+/* 8 float weights (F32, F16 or BF16) at p -> float32. */
+INLINE __m256 FN(float8)(const int kind, const uint8_t *p) {
+    if (kind == K_F32) return _mm256_loadu_ps((const float *)p);
+    if (kind == K_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Float weights, R rows against X rows of float32 activations (row j at x + j * cols): res[r * X + j], float32
+   products summed 8 lanes at a time in column order, then across the lanes (the same for every R and X). */
+INLINE void FN(dot_f)(const int kind, const int R, const int X, const uint8_t *w, int64_t stride, int64_t cols,
+                      const float *x, float *res) {
+    __m256 acc[4][4];
+    const int width = kind == K_F32 ? 4 : 2;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < X; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < cols; c += 8) {
+        __m256 xv[4];
+        for (int j = 0; j < X; j++) xv[j] = _mm256_loadu_ps(x + j * cols + c);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *at = w + r * stride + c * width;
+            if (R > 1 && (c * width) % 64 == 0) _mm_prefetch((const char *)at + PREFETCH_ROWS * stride, _MM_HINT_T0);
+            const __m256 wv = FN(float8)(kind, at);
+            for (int j = 0; j < X; j++) acc[r][j] = _mm256_fmadd_ps(wv, xv[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < X; j++) res[r * X + j] = FN(hsum_ps)(acc[r][j]);
+}
+
 /* R weight rows from row r against X activation rows from row i: out[i + j, r + k] for k < R, j < X. */
 #define DOT_TILE(KIND, R, X)                                                                                         \
     do {                                                                                                             \
         float v[(R) * (X)];                                                                                          \
-        if (is_k(KIND)) FN(dot_k)(KIND, R, X, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols, g->cols,\
+        if (is_float(KIND)) FN(dot_f)(KIND, R, X, g->w + r * g->row_bytes, g->row_bytes, g->cols,                   \
+                                      g->xf + i * g->cols, v);                                                       \
+        else if (is_k(KIND)) FN(dot_k)(KIND, R, X, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols, g->cols,\
                                   g->d + i * nb, g->s16 + i * (g->cols / 16), v);                                    \
         else FN(dot_q32)(KIND, R, X, g->w + r * g->row_bytes, g->row_bytes, nb, g->q + i * g->cols, g->cols,          \
                          g->d + i * nb, g->s32 + i * (g->cols / 32), v);                                             \
@@ -284,9 +315,12 @@ INLINE void FN(dot_k)(const int kind, const int R, const int X, const uint8_t *w
 
 /* out[i, r] = dot(x row i, w row r) (+ bias[r]) for rows [r0, r1) of w and the n rows of x (already quantized). */
 static void FN(rows)(const struct gemv *g, int64_t r0, int64_t r1) {
-    const int64_t nb = g->cols / (is_k(g->kind) ? 256 : 32);
+    const int64_t nb = g->cols / BLOCK[g->kind];
     int64_t r = r0;
     switch (g->kind) {
+    case K_F32: ROWS_OF(K_F32) break;
+    case K_F16: ROWS_OF(K_F16) break;
+    case K_BF16: ROWS_OF(K_BF16) break;
     case K_Q4_0: ROWS_OF(K_Q4_0) break;
     case K_Q4_1: ROWS_OF(K_Q4_1) break;
     case K_Q5_0: ROWS_OF(K_Q5_0) break;
@@ -303,6 +337,16 @@ static void FN(rows)(const struct gemv *g, int64_t r0, int64_t r1) {
 #undef INLINE
 
 static void FN(quantize)(const struct gemv *g) {
+    if (is_float(g->kind)) {  /* float weights: the activations as float32, not quantized */
+        for (int64_t i = 0; i < g->n * g->cols; i += 8) {
+            __m256 v;
+            if (g->x_bf16) v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                                   _mm_loadu_si128((const __m128i *)((const uint16_t *)g->x + i))), 16));
+            else v = _mm256_loadu_ps((const float *)g->x + i);
+            _mm256_storeu_ps(g->xf + i, v);
+        }
+        return;
+    }
     int kq = is_k(g->kind);
     int64_t group = kq ? 256 : 32;
     for (int64_t i = 0; i < g->n; i++) {

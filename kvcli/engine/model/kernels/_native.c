@@ -1,5 +1,6 @@
-/* Native kernels for GGUF blocks: one-row-at-a-time products with 8-bit activations and integer dot products
-   (AVX512-VNNI, AVX-VNNI, or AVX2), and dequantization to float32 or bfloat16 for prefill GEMMs.
+/* Native kernels for GGUF blocks: few-row products with 8-bit activations and integer dot products (AVX512-VNNI,
+   AVX-VNNI, or AVX2), the same with float32 products for float weights (F32, F16, BF16), and dequantization of the
+   quantized kinds to float32 or bfloat16 for prefill GEMMs.
 
    Built without -march flags: every SIMD function is compiled for its own CPU level (`#pragma GCC target`) and
    chosen at run time (`level`). Rows of the weight are spread over OpenMP threads; imported after torch, the
@@ -14,15 +15,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q4_K, K_Q5_K, K_Q6_K, K_COUNT };
-static const int BLOCK[K_COUNT] = {32, 32, 32, 32, 32, 256, 256, 256};
-static const int BYTES[K_COUNT] = {18, 20, 22, 24, 34, 144, 176, 210};
+enum { K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_Q4_K, K_Q5_K, K_Q6_K, K_F32, K_F16, K_BF16, K_COUNT };
+static const int BLOCK[K_COUNT] = {32, 32, 32, 32, 32, 256, 256, 256, 8, 8, 8};  /* float kinds: 8 weights a step */
+static const int BYTES[K_COUNT] = {18, 20, 22, 24, 34, 144, 176, 210, 32, 16, 16};
 
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 8  /* software prefetch this many rows ahead: more reads in flight than the streams' prefetchers keep */
 #endif
 
-static inline int is_k(int kind) { return kind >= K_Q4_K; }
+static inline int is_k(int kind) { return kind >= K_Q4_K && kind <= K_Q6_K; }
+static inline int is_float(int kind) { return kind >= K_F32; }
 
 struct gemv {
     int kind, x_bf16, out_bf16;
@@ -31,7 +33,8 @@ struct gemv {
     const void *x;
     void *out;
     const float *bias;
-    int8_t *q;  /* quantized activations and their scales and sums (scratch) */
+    float *xf;  /* float weights: the activations as float32 (scratch) */
+    int8_t *q;  /* quantized weights: the activations quantized, with their scales and sums (scratch) */
     float *d;
     int16_t *s16;
     int32_t *s32;
@@ -248,15 +251,17 @@ static PyObject *py_gemv(PyObject *self, PyObject *args) {
                           &g.out_bf16, &bias, &threads, &level))
         return NULL;
     if (!check_kind(g.kind)) return NULL;
-    if (level < L_AVX2 || level > best_level() || cols % BLOCK[g.kind] || cols % 32 || n < 1) {
+    if (level < L_AVX2 || level > best_level() || cols % BLOCK[g.kind] || (!is_float(g.kind) && cols % 32) || n < 1) {
         PyErr_SetString(PyExc_ValueError, "gemv: level not supported here, or bad shape");
         return NULL;
     }
     g.w = (const uint8_t *)(uintptr_t)w; g.row_bytes = row_bytes; g.rows = rows; g.cols = cols; g.n = n;
     g.x = (const void *)(uintptr_t)x; g.out = (void *)(uintptr_t)out; g.bias = (const float *)(uintptr_t)bias;
     int64_t group = is_k(g.kind) ? 256 : 32;
-    char *scratch = malloc((size_t)(n * cols + n * (cols / group) * 4 + n * (cols / 16) * 2 + n * (cols / 32) * 4 + 64));
+    char *scratch = malloc(is_float(g.kind) ? (size_t)(n * cols * 4)
+                                            : (size_t)(n * cols + n * (cols / group) * 4 + n * (cols / 16) * 2 + n * (cols / 32) * 4 + 64));
     if (!scratch) return PyErr_NoMemory();
+    g.xf = (float *)scratch;
     g.d = (float *)scratch;
     g.s32 = (int32_t *)(g.d + n * (cols / group));
     g.s16 = (int16_t *)(g.s32 + n * (cols / 32));
@@ -274,8 +279,8 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     long long w, row_bytes, rows, cols, out;
     if (!PyArg_ParseTuple(args, "iLLLLLii", &kind, &w, &row_bytes, &rows, &cols, &out, &bf16, &threads)) return NULL;
     if (!check_kind(kind)) return NULL;
-    if (cols % BLOCK[kind]) {
-        PyErr_SetString(PyExc_ValueError, "dequantize: cols not a whole number of blocks");
+    if (is_float(kind) || cols % BLOCK[kind]) {
+        PyErr_SetString(PyExc_ValueError, "dequantize: not a quantized kind, or cols not a whole number of blocks");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS

@@ -43,8 +43,8 @@ def native_rows(kind: str) -> int:
     return NATIVE_ROWS.get(kind, NATIVE_ROWS_OTHERS)
 
 
-def _native_here(kind: str, allowed: bool) -> bool:
-    return allowed and not _TORCH_ONLY.get() and native.runs(kind)
+def _native_here(kind: str, cols: int, allowed: bool) -> bool:
+    return allowed and not _TORCH_ONLY.get() and native.runs(kind, cols)
 
 
 def bf16_product(kind: str, blocks: torch.Tensor, rows: torch.Tensor, cols: int, use_native: bool = False) -> torch.Tensor:
@@ -54,10 +54,10 @@ def bf16_product(kind: str, blocks: torch.Tensor, rows: torch.Tensor, cols: int,
     x = rows.to(torch.bfloat16)
     y = torch.empty(rows.shape[0], out, dtype=torch.bfloat16)
     step = max(1, TILE // cols)
-    tile = torch.empty(min(step, out), cols, dtype=torch.bfloat16) if use_native else None
+    tile = torch.empty(min(step, out), cols, dtype=torch.bfloat16) if use_native and native.dequantizes(kind) else None
     for lo in range(0, out, step):
         hi = min(out, lo + step)
-        if use_native:  # [hi - lo, cols]
+        if use_native and native.dequantizes(kind):  # [hi - lo, cols]
             w = native.dequantize(kind, blocks[lo:hi], cols, torch.bfloat16, tile[: hi - lo])
         else:
             w = dequantize_rows(kind, blocks[lo:hi], cols).to(torch.bfloat16)
@@ -80,7 +80,7 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         rows = x.reshape(-1, self.in_features)
-        use_native = _native_here(self.kind, self.native)
+        use_native = _native_here(self.kind, self.in_features, self.native)
         if use_native and rows.shape[0] <= native_rows(self.kind) and x.dtype in (torch.float32, torch.bfloat16):
             bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
             return native.gemv(self.kind, self.blocks, self.in_features, rows, bias).view(*x.shape[:-1], self.out_features)

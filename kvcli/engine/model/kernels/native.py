@@ -15,7 +15,8 @@ try:  # after torch: the extension then shares torch's OpenMP runtime (kernels/_
 except ImportError:  # not built (no compiler at install): the pure-torch path runs
     _native = None
 
-KINDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q5_0": 2, "Q5_1": 3, "Q8_0": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "F32": 8, "F16": 9, "BF16": 10}
+FLOATS = ("F32", "F16", "BF16")  # gemv only (float32 products); the rest also dequantize here
 LEVELS = {1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}
 
 
@@ -25,14 +26,19 @@ def level() -> int:
     return _native.level() if _native is not None else 0
 
 
-def runs(kind: str) -> bool:
-    """Whether the native kernels run blocks of `kind` here."""
-    return kind in KINDS and level() > 0
+def runs(kind: str, cols: int) -> bool:
+    """Whether gemv runs rows of `cols` weights of `kind` here (float weights: cols a multiple of 8)."""
+    return kind in KINDS and level() > 0 and (kind not in FLOATS or cols % 8 == 0)
+
+
+def dequantizes(kind: str) -> bool:
+    """Whether dequantize runs blocks of `kind` here (the quantized kinds)."""
+    return kind in KINDS and kind not in FLOATS and level() > 0
 
 
 def _checked(kind: str, blocks: torch.Tensor, cols: int) -> int:
     """The rows of `blocks`, after checking it holds whole rows of `cols` weights of `kind` where C reads them."""
-    if not (kind in KINDS and blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous()
+    if not (kind in KINDS and (kind not in FLOATS or cols % 8 == 0) and blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous()
             and blocks.device.type == "cpu" and blocks.shape[1] == row_bytes(kind, cols)):
         raise ValueError(f"{kind} blocks {blocks.dtype} {tuple(blocks.shape)} are not rows of {cols} weights")
     return blocks.shape[0]
@@ -41,7 +47,8 @@ def _checked(kind: str, blocks: torch.Tensor, cols: int) -> int:
 def gemv(kind: str, blocks: torch.Tensor, cols: int, x: torch.Tensor, bias: torch.Tensor | None,
          at: int | None = None) -> torch.Tensor:
     """x [n, cols] (float32 or bfloat16) times the weights of `blocks` [rows, bytes a row] transposed (+ bias
-    [rows] float32) -> [n, rows] in x's dtype, with x quantized to 8 bits per block (integer dot products)."""
+    [rows] float32) -> [n, rows] in x's dtype, with x quantized to 8 bits per block (integer dot products), or for
+    float weights in float32 (float32 products)."""
     rows = _checked(kind, blocks, cols)
     if not (x.dim() == 2 and x.shape[1] == cols and x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu"
             and (bias is None or (bias.dtype == torch.float32 and tuple(bias.shape) == (rows,)))):
@@ -57,7 +64,10 @@ def gemv(kind: str, blocks: torch.Tensor, cols: int, x: torch.Tensor, bias: torc
 
 def dequantize(kind: str, blocks: torch.Tensor, cols: int, dtype: torch.dtype = torch.float32,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of blocks [rows, bytes a row] -> [rows, cols] float32 (gguf's values) or bfloat16 (those rounded)."""
+    """Rows of blocks [rows, bytes a row] of a quantized kind -> [rows, cols] float32 (gguf's values) or bfloat16
+    (those rounded)."""
+    if kind in FLOATS:
+        raise ValueError(f"dequantize: {kind} is not a quantized kind")
     rows = _checked(kind, blocks, cols)
     if out is None:
         out = torch.empty(rows, cols, dtype=dtype)
