@@ -119,6 +119,37 @@ def test_cli_batched_output_equals_one_by_one(tiny_model_dir, tmp_path):
             assert x[key] == y[key], key
 
 
+def test_cli_eight_questions_restore_the_cache_once_and_decode_in_one_batch(tiny_model_dir, tmp_path, monkeypatch):
+    """`ask` with eight questions on one cache restores it once and runs all eight in every forward pass: the
+    first step takes the eight questions' ids together, each later one a token for every row still decoding."""
+    from kvcli.engine.cache import restore
+    from kvcli.engine.scheduling import scheduler
+    from tests.helpers import json_lines, run
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The licensor is Example Corp. The licence ends when a patent suit is filed. " * 20)
+    cache = tmp_path / "doc.kv"
+    assert run("prefill", doc, "-o", cache, "--model", tiny_model_dir, "-q").exit_code == 0
+    restores, rows = [], []
+    load, step = restore.load_cache, scheduler.Engine._step
+    monkeypatch.setattr(restore, "load_cache", lambda *a, **k: restores.append(a[0]) or load(*a, **k))
+
+    def counted(engine, session, decoder):
+        step(engine, session, decoder)
+        rows.append(decoder.last_rows)
+
+    monkeypatch.setattr(scheduler.Engine, "_step", counted)
+    qs = [*QUESTIONS, "Who is the licensor?", "When does the licence end?", "What is filed?"]
+    result = run("ask", "-c", cache, *qs, "--model", tiny_model_dir, "--max-new-tokens", "6", "--no-server", "--json")
+    assert result.exit_code == 0, result.stderr
+    answers = json_lines(result.stdout)
+    assert [a["question"] for a in answers] == qs and {a["decoding"] for a in answers} == {"batched"}
+    assert len(restores) == 1  # one restore for the eight
+    longest = max(len(a["answer_token_ids"]) for a in answers)
+    assert rows[0] == 8 and len(rows) == longest  # one forward pass per token, every row in it
+    assert rows == sorted(rows, reverse=True)  # rows only leave as their answers end
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma3_text"])  # full attention; sliding windows
 def test_every_batched_answer_is_checked_against_a_recompute(arch, name):
     """ask_many(check=True) measures the batched path's own logits against one uncached forward (--check)."""
