@@ -10,15 +10,15 @@ and checked against the model vLLM serves with kvcli's fit rules (kvcli/integrat
 tokenizer and chat template hashes are recomputed from the served folder, fingerprint.py). A cache that
 does not fit is logged once with the reason and never used. For a request, `get_num_new_matched_tokens`
 reports the longest prefix of the prompt a cache holds, in whole blocks and never the whole prompt. The
-first time a cache is matched its shards are verified (size, sha256, decoded layout: kvcli.format.store.verify;
+first time a cache is matched its shards are verified (size, digest, decoded layout: kvcli.format.store.verify;
 a remote cache is copied once into kvcli's local store, checked as it downloads); a cache that fails is
 refused from then on, and the request is prefilled by vLLM as if there were no cache. Its manifest is read
 again for every matched request: a cache replaced since it was indexed is indexed again, never mixed.
 
 Worker side (each worker): for each request to load, the cache is opened again, its manifest checked to be
-the one the scheduler matched, every layer's shard read (sha256 checked before use) and decoded with kvcli's
-codec (bounded decompression, 8-/4-bit caches dequantized) into temporary tensors, and only when every layer
-decoded are keys and values written into vLLM's paged buffers, through each attention layer's own
+the one the scheduler matched, every layer's shard read (its digest checked before use: BLAKE3,
+sha256 in formats 1 and 2) and decoded with kvcli's codec (bounded decompression, 8-/4-bit caches dequantized)
+into temporary tensors, and only when every layer decoded are keys and values written into vLLM's paged buffers, through each attention layer's own
 `impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`: the call vLLM's attention makes to
 store the keys and values it computed, so the backend's layout (block interiors, ISA-specific packing, KV
 dtype scaling) is the backend's business, not assumed here. A load that fails reports its blocks through

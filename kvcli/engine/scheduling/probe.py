@@ -24,8 +24,8 @@ BATCHED = ((5, 2), (2, 1), (4, 2))
 # largest logit difference allowed, relative to max(1, largest |logit|): float32 rounding of the cascade is ~1e-6;
 # a row that misses the document, another row's tokens or a position differs by whole units
 RTOL = {"float64": 1e-7, "float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}  # by the dtype the linears compute in
-Q4_RULES = 2  # in a q4 model's remembered-verdict key: 2 since its rows are held to bfloat16's tolerance (1 found them
-# 0.44 off under float32's and decoded them one at a time), so a verdict from the old rule is not read
+Q4_RULES = 2  # in a q4 model's remembered-verdict key: the rule its rows are held to (bfloat16's tolerance, the
+# precision its products run in); a verdict remembered under another rule is not read
 
 
 @dataclass(frozen=True)
