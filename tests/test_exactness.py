@@ -316,19 +316,19 @@ def test_questions_at_once_count_only_their_own_tokens(threaded):
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])  # full attention: the lone row decodes solo; biased q/k/v; q/k norms
 def test_steps_split_or_not_give_generates_tokens(tokenizer, tmp_path, monkeypatch, name):
-    from kvcli.engine.decoding import solo
-    from kvcli.engine.model import linear
+    from kvcli.engine.model import cpu, linear
 
     monkeypatch.setattr(linear, "SPLIT_MIN", 1)  # the tiny models' products split too, in parts of 16 rows
     monkeypatch.setattr(linear, "ROWS", 16)
-    monkeypatch.setattr(linear, "_same_bits", {})
     ways = iter([True, True, False] * 20)
-    monkeypatch.setattr(solo.Faster, "pick", lambda self: next(ways))
-    split, beside = [], []
-    real_split, real_beside = linear.split_product, linear.pool_beside
+    monkeypatch.setattr(cpu.Faster, "pick", lambda self: next(ways))
+    split, beside, owners = [], [], []
+    real_split, real_beside = linear.split_product, cpu.CpuTuning.pool_beside
     monkeypatch.setattr(linear, "split_product", lambda *a: split.append(a[1].shape) or real_split(*a))
-    monkeypatch.setattr(solo, "pool_beside", lambda on: beside.append(on) or real_beside(on))
+    monkeypatch.setattr(cpu.CpuTuning, "pool_beside",
+                        lambda self, on: owners.append(self) or beside.append(on) or real_beside(self, on))
     model = build(name, tokenizer)
+    linear.use_split_linears(model)  # as load() does for the models it loads
     lm = kvcli.from_objects(model, tokenizer, name=f"tiny-{name}")
     prefill(lm, decode(sample_text()[:700].encode(), "licence.txt"), tmp_path / "doc.kv", chunk_size=56)
     threads = torch.get_num_threads()
@@ -336,9 +336,10 @@ def test_steps_split_or_not_give_generates_tokens(tokenizer, tmp_path, monkeypat
     try:
         a = kvcli.Session(lm, tmp_path / "doc.kv").ask(QUESTIONS[0], kvcli.GenerationOptions(max_new_tokens=24))
     finally:
-        real_beside(False)
+        for owner in set(owners):
+            owner.close()
         torch.set_num_threads(threads)
     assert len(a.answer_token_ids) == 24 and len(set(a.answer_token_ids)) > 5
-    assert any(rows > 16 for rows, _in in split) and all(linear._same_bits.values())  # split in parts, same bits
+    assert any(rows > 16 for rows, _in in split) and all(o.same_bits and all(o.same_bits.values()) for o in owners)  # same bits
     assert True in beside and False in beside
     assert a.answer_token_ids == reference_answer(model, a.prompt_token_ids, 24)

@@ -107,6 +107,14 @@ def test_imports_point_down_the_layers():
     assert up == []
 
 
+def test_the_model_layer_imports_no_scheduling():
+    """The runtime's bottom (models, their kernels) knows nothing of the engine loop that drives it."""
+    mods = _modules()
+    up = sorted(f"{name} imports {m}" for name, path in mods.items() if name.startswith("kvcli.engine.model")
+                for m in _imports(name, path, mods) if m.startswith("kvcli.engine.scheduling"))
+    assert up == []
+
+
 def test_no_module_above_the_limit():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}

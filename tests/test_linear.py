@@ -4,13 +4,16 @@ the threads give torch's own bits; other dtypes are untouched."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import kvcli
 from kvcli.documents import decode
 from kvcli.engine.decoding import batch
-from kvcli.engine.model import linear, stored
+from kvcli.engine.model import linear, openmp, stored
+from kvcli.engine.model.cpu import CpuTuning
 from tests.conftest import sample_text, tiny_llama
 
 
@@ -78,9 +81,10 @@ def test_batched_forwards_run_in_the_mode(tokenizer, tmp_path, monkeypatch):
     assert [a.answer_token_ids for a in many] == [session.ask(q, opts).answer_token_ids for q in questions]
 
 
-def _split(monkeypatch):
-    monkeypatch.setattr(linear, "SPLIT_MIN", 1)  # every one-row product whose rows cut into parts splits
-    monkeypatch.setattr(linear, "_same_bits", {})  # no shape checked yet
+def _split(monkeypatch) -> dict:
+    """Every one-row product whose rows cut into parts splits; the record of shapes checked, empty."""
+    monkeypatch.setattr(linear, "SPLIT_MIN", 1)
+    return {}
 
 
 @pytest.fixture
@@ -111,7 +115,7 @@ def _layer(weight: torch.Tensor, bias: torch.Tensor | None = None) -> linear.Spl
 
 
 def test_one_row_split_across_threads_gives_the_linear_bits(monkeypatch, two_threads):
-    _split(monkeypatch)
+    bits = _split(monkeypatch)
     g = torch.Generator().manual_seed(1)
     for out_features, in_features, bias, lead in [(576, 96, False, (1,)), (1024, 64, True, (1, 1)), (192, 300, True, ()),
                                                   (128, 40, False, (1, 1, 1))]:
@@ -120,44 +124,44 @@ def test_one_row_split_across_threads_gives_the_linear_bits(monkeypatch, two_thr
         x = torch.randn(*lead, in_features, generator=g)
         layer = _layer(w, b)
         want = torch.nn.functional.linear(x, w, b)
-        with torch.inference_mode(), linear.split_rows():
+        with torch.inference_mode(), linear.split_rows(bits):
             first = layer(x)  # split, and checked against the whole product once
-        with torch.inference_mode(), _Calls() as calls, linear.split_rows():
+        with torch.inference_mode(), _Calls() as calls, linear.split_rows(bits):
             got = layer(x)
         assert ("baddbmm" if bias else "bmm") in calls.names and "linear" not in calls.names
         assert got.shape == want.shape and torch.equal(got, want) and torch.equal(first, want)
-    assert len(linear._same_bits) == 4 and all(linear._same_bits.values())
+    assert len(bits) == 4 and all(bits.values())
 
 
 def test_a_shape_whose_split_gives_other_bits_stays_unsplit(monkeypatch, two_threads):
-    _split(monkeypatch)
+    bits = _split(monkeypatch)
     w, x = torch.randn(128, 48), torch.randn(1, 48)
     monkeypatch.setattr(linear, "split_product", lambda x, w, b, cut: torch.nn.functional.linear(x, w, b) + 1e-6)
     want = torch.nn.functional.linear(x, w)
     for _ in range(2):
-        with torch.inference_mode(), linear.split_rows():
+        with torch.inference_mode(), linear.split_rows(bits):
             assert torch.equal(_layer(w)(x), want)
-    assert linear._same_bits == {((128, 48), False): False}
+    assert bits == {((128, 48), False): False}
 
 
 def test_split_rows_leaves_other_products_to_torch(monkeypatch, two_threads):
-    _split(monkeypatch)
+    bits = _split(monkeypatch)
     w = torch.randn(128, 48)
     cases = [(torch.randn(2, 48), w, True, True), (torch.randn(1, 48).bfloat16(), w.bfloat16(), True, True),
              (torch.randn(1, 48), w, False, True), (torch.randn(1, 48), w.T.contiguous().T, True, True),
              (torch.randn(1, 48), torch.randn(100, 48), True, True),  # rows that cut into no whole blocks
              (torch.randn(1, 48), w, True, False)]  # outside split_rows
     for x, weight, inference, inside in cases:
-        with torch.inference_mode(inference), _Calls() as calls, linear.split_rows(inside):
+        with torch.inference_mode(inference), _Calls() as calls, linear.split_rows(bits if inside else None):
             y = _layer(weight)(x)
         assert calls.names.count("linear") == 1 and "bmm" not in calls.names
         assert torch.equal(y, torch.nn.functional.linear(x, weight))
     monkeypatch.setattr(linear, "SPLIT_MIN", 128 * 48 + 1)  # a weight below SPLIT_MIN
-    with torch.inference_mode(), _Calls() as calls, linear.split_rows():
+    with torch.inference_mode(), _Calls() as calls, linear.split_rows(bits):
         _layer(w)(torch.randn(1, 48))
     assert calls.names.count("linear") == 1 and "bmm" not in calls.names
     torch.set_num_threads(1)  # one thread: nothing to spread the parts over
-    with torch.inference_mode(), _Calls() as calls, linear.split_rows():
+    with torch.inference_mode(), _Calls() as calls, linear.split_rows(bits):
         _layer(w)(torch.randn(1, 48))
     assert calls.names.count("linear") == 1 and "bmm" not in calls.names
 
@@ -184,11 +188,37 @@ def test_split_linears_share_the_parameters_and_apply_to_float32_models_on_sever
     assert not any(isinstance(m, linear.SplitLinear) for m in bf16.modules())
 
 
-def test_the_pool_beside_is_made_once_and_given_back_once(monkeypatch):
+def test_the_pool_beside_is_made_once_and_given_back_once_and_its_thread_ends_with_its_owner(monkeypatch):
     released = []
-    real = linear.openmp.release
-    monkeypatch.setattr(linear.openmp, "release", lambda: released.append(1) or real())
-    monkeypatch.setattr(linear, "_pool_on", False)
+    real = openmp.release
+    monkeypatch.setattr(openmp, "release", lambda: released.append(threading.current_thread().name) or real())
+    before = {t.ident for t in threading.enumerate()}
+    cpu = CpuTuning()
     for on in (True, True, False, False):
-        linear.pool_beside(on)
-    assert released == [1] and linear._pool_on is False
+        cpu.pool_beside(on)
+    assert released == ["kvcli-rows"]
+    helpers = [t for t in threading.enumerate() if t.ident not in before and t.name == "kvcli-rows"]
+    assert len(helpers) == 1
+    cpu.close()
+    helpers[0].join(30)
+    assert not helpers[0].is_alive() and released == ["kvcli-rows", "kvcli-rows"]
+
+
+def test_two_owners_keep_their_own_records(monkeypatch, two_threads):
+    """Nothing process-wide: what one engine's tuning learned about a shape is not another's."""
+    _split(monkeypatch)
+    a, b = CpuTuning(), CpuTuning()
+    layer, x = _layer(torch.randn(128, 48)), torch.randn(1, 48)
+    with torch.inference_mode(), a.split_rows():
+        layer(x)
+    with torch.inference_mode(), b.split_rows(False):
+        layer(x)
+    assert a.same_bits == {((128, 48), False): True} and b.same_bits == {}
+
+
+def test_a_callers_model_is_not_rewritten(tokenizer):
+    model = tiny_llama(len(tokenizer))
+    kinds = {name: type(m) for name, m in model.named_modules()}
+    kvcli.from_objects(model, tokenizer)
+    assert {name: type(m) for name, m in model.named_modules()} == kinds
+    assert not any(isinstance(m, linear.SplitLinear) for m in model.modules())

@@ -1,4 +1,4 @@
-"""A thread that waits while another computes gives back its OpenMP workers (engine/scheduling/openmp.py).
+"""A thread that waits while another computes gives back its OpenMP workers (engine/model/openmp.py).
 
 The speed this buys is measured by tests/bench/bench_handoff.py, never here; these tests check that the pool
 really goes (its worker threads end), that parallel kernels still compute right afterwards in any
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kvcli
-from kvcli.engine.scheduling import openmp
+from kvcli.engine.model import openmp
 from kvcli.engine.scheduling.scheduler import Engine
 from tests.test_architectures import arch  # noqa: F401  (the module's tiny-model fixture)
 

@@ -101,3 +101,30 @@ def test_closing_the_engine_ends_a_waiting_request_with_engine_closed(arch):
     assert isinstance(rest[-1], Failed) and isinstance(rest[-1].error, EngineClosed)
     with pytest.raises(EngineClosed):
         engine.submit(session, [QUESTIONS[1]], OPTS).result()
+
+
+def test_the_engine_admits_up_to_its_queue_and_refuses_the_rest_at_once(arch):
+    """Admission is the engine's, for every front end: max_queue requests may wait beyond those decoding; one more is
+    refused before any of it runs (EngineBusy, a ServerError), and is admitted again once a place is free."""
+    from kvcli.engine.scheduling.requests import EngineBusy
+    from kvcli.errors import ServerError
+
+    a = arch("llama")
+    session = kvcli.Session(a.lm, a.path)
+    engine = Engine(a.lm, width=1)
+    engine.max_queue = 1
+    try:
+        with engine.turn():  # no step runs: whatever is admitted stays
+            first = engine.submit(session, [QUESTIONS[0]], OPTS)
+            second = engine.submit(session, [QUESTIONS[1]], OPTS)  # waits: one may
+            asked = engine.asked
+            with pytest.raises(EngineBusy, match="busy: 2 requests") as refused:
+                engine.submit(session, [QUESTIONS[2]], OPTS)
+            assert isinstance(refused.value, ServerError) and engine.asked == asked  # nothing of it was queued
+            assert engine.in_use
+        first.result(), second.result()
+        third = engine.submit(session, [QUESTIONS[2]], OPTS).result()[0]
+        assert third.answer_token_ids == session.ask(QUESTIONS[2], OPTS).answer_token_ids
+        _wait(lambda: not engine.in_use)  # every request read to its end: nothing holds the engine
+    finally:
+        engine.close()

@@ -1,8 +1,8 @@
-"""solo.Faster: which way a one-row step runs (spinning and split, or sleeping and whole), by the steps' own times."""
+"""engine/model/cpu.py's Faster: which way a one-row step runs (spinning and split, or sleeping and whole), by the steps' own times."""
 
 from __future__ import annotations
 
-from kvcli.engine.decoding.solo import Faster
+from kvcli.engine.model.cpu import Faster
 
 
 def run(ways: Faster, steps: int, time_of) -> list[bool]:

@@ -114,6 +114,11 @@ class Session:
         return self._token_ids
 
     @property
+    def num_tokens(self) -> int:
+        """The cached prompt's length in tokens."""
+        return len(self._token_ids)
+
+    @property
     def states(self):
         """The document's state of every layer (read-only views of the Session's buffers)."""
         return self.cache.states()

@@ -5,7 +5,7 @@
 kvcli answers in its engine thread (engine/scheduling/scheduler.py) while the asking thread waits. An
 OpenMP runtime that manages more worker threads than there are CPUs stops spinning between parallel
 regions (libgomp does), so the asker's idle pool slows every kernel of the engine's steps; the asker and
-the engine give theirs back before waiting (engine/scheduling/openmp.py). In one process, taking turns,
+the engine give theirs back before waiting (engine/model/openmp.py). In one process, taking turns,
 this measures decode ms per token (medians of --repeats answers, each of --tokens tokens, greedy, the
 same question) three ways: Session.ask as shipped, Session.ask with release() made a no-op, and the
 same rows decoded in the main thread without the engine (the floor). Prints the CPU, its core count and
@@ -45,7 +45,7 @@ def main() -> None:
     from kvcli.engine.decoding.batch import eos_ids
     from kvcli.engine.decoding.protocol import Row
     from kvcli.engine.decoding.solo import OneRowDecoder
-    from kvcli.engine.scheduling import openmp
+    from kvcli.engine.model import openmp
 
     lm = kvcli.load(weights=args.weights) if args.weights else kvcli.load()
     cache = Path(args.cache) if args.cache else WORK / f"document-{args.weights or 'float'}.kv"

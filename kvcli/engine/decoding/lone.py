@@ -15,8 +15,9 @@ from typing import Any
 
 from .batch import BatchDecoder
 from .protocol import Row
-from .solo import Faster, OneRowDecoder
+from .solo import OneRowDecoder
 from ..cache.kvcache import FullLayer
+from ..model.cpu import CpuTuning
 
 
 class LoneOrBatchDecoder:
@@ -24,9 +25,9 @@ class LoneOrBatchDecoder:
     each time a second row arrives."""
 
     def __init__(self, model: Any, cache: Any, *, width: int, eos: set[int], pad_id: int, length: int | None = None,
-                 ways: Faster | None = None):
+                 cpu: CpuTuning | None = None):
         self.model, self.kv, self.width, self.eos, self.pad_id, self.length = model, cache, width, eos, pad_id, length
-        self.solo = OneRowDecoder(model, cache, eos=eos, length=length, ways=ways)
+        self.solo = OneRowDecoder(model, cache, eos=eos, length=length, cpu=cpu)
         self.batch: BatchDecoder | None = None
         self.incoming: list[Row] = []
         self.last_rows = 0

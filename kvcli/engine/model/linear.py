@@ -21,8 +21,6 @@ engine/decoding/solo.py then measures the unsplit step faster and takes it.
 from __future__ import annotations
 
 import functools
-import queue
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
@@ -30,8 +28,6 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-from ..scheduling import openmp
 
 _LINEAR = torch.nn.functional.linear
 
@@ -53,7 +49,7 @@ class WeightFirst(TorchFunctionMode):
 def weight_first_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] W^T (+ bias) -> [..., out], computed as mm(W, x^T) (the weight's rows outermost), contiguous."""
     rows = x.reshape(-1, x.shape[-1])  # [n, in]
-    y = torch.mm(weight, rows.T).T.contiguous()  # [n, out], laid out as linear's (OPT's rows came out NaN otherwise)
+    y = torch.mm(weight, rows.T).T.contiguous()  # [n, out], laid out as linear's output: later ops may assume it
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -73,31 +69,6 @@ def weight_first_helps(model: Any) -> bool:
 
 SPLIT_MIN = 1 << 16  # weight elements (256 KiB of float32): smaller products cost less than a parallel region
 ROWS = 32  # every part starts at a multiple of this many rows
-
-
-class _Helper:
-    """One daemon thread running the jobs handed to it, in order: it holds the OpenMP pool of pool_beside
-    (engine/scheduling/openmp.py)."""
-
-    def __init__(self):
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="kvcli-rows", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            self.jobs.get()()
-
-
-_helper: _Helper | None = None
-_helper_lock = threading.Lock()
-
-
-def _the_helper() -> _Helper:
-    global _helper
-    with _helper_lock:
-        if _helper is None:
-            _helper = _Helper()
-        return _helper
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,10 +94,8 @@ def split_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.view(*x.shape[:-1], n)
 
 
-_same_bits: dict[tuple, bool] = {}  # (weight shape, bias or not) -> split_product gave linear's bits
-
-
-_SPLIT: ContextVar[bool] = ContextVar("kvcli_split_rows", default=False)  # this thread's one-row pass splits
+# Inside split_rows: the caller's record of shapes checked, (weight shape, bias or not) -> split gave linear's bits
+_SPLIT: ContextVar[dict[tuple, bool] | None] = ContextVar("kvcli_split_rows", default=None)
 
 
 class SplitLinear(torch.nn.Linear):
@@ -144,17 +113,17 @@ class SplitLinear(torch.nn.Linear):
         self.train(linear.training)  # an eval() model stays in eval mode throughout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
-        weight, bias = self.weight, self.bias
-        if (_SPLIT.get() and x.numel() == x.shape[-1] and x.dtype == weight.dtype == torch.float32
+        weight, bias, same_bits = self.weight, self.bias, _SPLIT.get()
+        if (same_bits is not None and x.numel() == x.shape[-1] and x.dtype == weight.dtype == torch.float32
                 and x.device.type == "cpu" and weight.numel() >= SPLIT_MIN and weight.is_contiguous()
                 and torch.is_inference_mode_enabled() and (bias is None or bias.dtype == torch.float32)):
             shape = (tuple(weight.shape), bias is not None)
             cut = parts(weight.shape[0], torch.get_num_threads(), ROWS)
-            if cut > 1 and _same_bits.get(shape, True):
+            if cut > 1 and same_bits.get(shape, True):
                 y = split_product(x, weight, bias, cut)
-                if shape not in _same_bits:
-                    _same_bits[shape] = torch.equal(y, _LINEAR(x, weight, bias))
-                if _same_bits[shape]:
+                if shape not in same_bits:
+                    same_bits[shape] = torch.equal(y, _LINEAR(x, weight, bias))
+                if same_bits[shape]:
                     return y
         return _LINEAR(x, weight, bias)
 
@@ -169,27 +138,15 @@ def use_split_linears(model: Any) -> None:
 
 
 @contextmanager
-def split_rows(enabled: bool = True) -> Iterator[None]:
-    """Within this block (this thread only), the one-row products of SplitLinear layers split (when enabled)."""
-    token = _SPLIT.set(enabled)
+def split_rows(same_bits: dict[tuple, bool] | None) -> Iterator[None]:
+    """Within this block (this thread only), the one-row products of SplitLinear layers split, each shape's first
+    split checked against the whole product and recorded in `same_bits` (its owner's: engine/model/cpu.py);
+    None: nothing splits."""
+    token = _SPLIT.set(same_bits)
     try:
         yield
     finally:
         _SPLIT.reset(token)
-
-
-def _open_pool() -> None:
-    """One parallel region in this thread: the OpenMP runtime gives it a pool of its own (torch's elementwise
-    kernels go parallel from 32,768 elements)."""
-    with torch.inference_mode():
-        torch.ones(1 << 20).add_(1)
-
-
-def _in_helper(job, timeout: float) -> None:
-    """Run `job` in the helper thread and wait for it, at most `timeout` seconds."""
-    done = threading.Event()
-    _the_helper().jobs.put(lambda: (job(), done.set()))
-    done.wait(timeout)
 
 
 def split_rows_helps(model: Any) -> bool:
@@ -198,23 +155,7 @@ def split_rows_helps(model: Any) -> bool:
     return torch.get_num_threads() >= 2 and any(isinstance(m, SplitLinear) for m in model.modules())
 
 
-_pool_on = False  # the helper holds an OpenMP pool of its own
-
-
 def pool_beside_helps(model: Any) -> bool:
     """Whether one-row steps of `model` may choose to keep a pool beside the engine's: on the CPU, with two torch
     threads or more (whose workers can spin or sleep)."""
     return torch.get_num_threads() >= 2 and getattr(model, "device", torch.device("cpu")).type == "cpu"
-
-
-def pool_beside(on: bool) -> None:
-    """An OpenMP pool in the helper thread (on) or none (off). libgomp's idle workers spin between parallel
-    regions only while its pools hold no more threads than there are CPUs: with the helper's pool beside the
-    engine's they sleep instead. Spinning is faster on idle cores, sleeping far steadier beside busy processes
-    (docs/performance.md), so a step picks by its own times (engine/decoding/solo.py). The bits are the same."""
-    global _pool_on
-    if on == _pool_on:
-        return
-    # a helper not scheduled yet does it soon: nothing depends on it but speed
-    _in_helper(_open_pool if on else openmp.release, 1.0)
-    _pool_on = on

@@ -375,14 +375,13 @@ def from_objects(model: Any, tokenizer: Any, *, name: str = "in-memory") -> Load
     """Wrap an already loaded transformers model and tokenizer (tests, notebooks).
 
     On the CPU, a model running sdpa attention is switched to kvcli's grouped-query sdpa (engine/model/attention.py):
-    same tokens, no key/value heads repeated; `model.set_attn_implementation("sdpa")` switches it back. Its float32
-    linear layers become engine/model/linear.py's SplitLinear over the same parameters (the same products, which
-    one-row decoding steps may split across the cores)."""
-    from . import attention, linear
+    same tokens, no key/value heads repeated; `model.set_attn_implementation("sdpa")` switches it back. Its modules
+    are left as they are (a model kvcli loads itself gets engine/model/linear.py's SplitLinear layers, which one-row
+    decoding steps may split across the cores)."""
+    from . import attention
     from ..cache import layers
 
     layers.plan(model.config)
     model.eval()
     attention.select(model)
-    linear.use_split_linears(model)
     return LoadedModel(model=model, tokenizer=tokenizer, source={"kind": "object", "name": name}, fingerprint=fingerprint(model, tokenizer))

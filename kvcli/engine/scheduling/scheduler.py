@@ -7,15 +7,15 @@ batch, or one row at a time where the batched path was not proven exact: engine/
 then hands one turn to other work waiting for the model (a prefill chunk, a --check recompute). So a
 long prefill pauses running answers for one chunk at a time, a new question joins at the next step, and
 a cancelled request (request.cancel(), from a front end whose client left) takes its rows out at the next step.
-A thread that waits while another computes gives back its OpenMP workers first (openmp.py).
+A thread that waits while another computes gives back its OpenMP workers first (the engine's CpuTuning:
+engine/model/cpu.py).
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,115 +23,9 @@ from ..decoding import batch, questions as qs
 from ..decoding.request import DEFAULT_BATCH as DEFAULT_WIDTH
 from ..decoding.lone import LoneOrBatchDecoder
 from ..decoding.protocol import Decoder
-from ..decoding.solo import Faster, OneRowDecoder
-from . import openmp
-from .requests import Answered, Cancelled, Done, EngineClosed, Failed, Text  # noqa: F401  (the request API's names)
-
-
-class Request:
-    """One submission's questions on one document, read as events in the reader's thread; cancel() from any thread.
-
-    Iterating yields Text(i, text) as text settles and Answered(i, answer) as each completes, then Done(answers)
-    or Failed(error) (Cancelled after cancel(), EngineClosed when the engine closes, else what a step raised),
-    and ends. Questions beyond the limit join as earlier ones finish. Used as a context manager, leaving it
-    early (an exception in the reader, a break) cancels; cancelling a finished request does nothing."""
-
-    def __init__(self, engine: Engine, session: Any, texts: Sequence[str], options: Any, *, history: Sequence[Any],
-                 limit: int, check: bool, start: float, prompts: Sequence[list[int]] | None,
-                 served: Callable[[int, Any], None] | None):
-        self.engine, self.session, self.limit = engine, session, limit
-        self._texts, self._options, self._history, self._check, self._prompts = texts, options, history, check, prompts
-        self._start, self._served = start, served
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = list(enumerate(texts))
-        self._mine: dict[int, qs.Question] = {}
-        self.answers: list[Any] = [None] * len(texts)
-        self.finished = False
-        with engine._cv:
-            engine._askers[id(session)] = engine._askers.get(id(session), 0) + 1
-        try:
-            self._feed()  # together: questions asked at once join the batch in one step
-        except BaseException:
-            self.finished = True
-            engine._ended(self)
-            raise
-
-    def put(self, kind: str, index: int, value: Any) -> None:
-        """From the engine thread: a row's outcome ("done" with the row, or "error")."""
-        self._events.put((kind, index, value))
-
-    def cancel(self) -> None:
-        """Take this request's rows out of the engine at its next step; the events end with Failed(Cancelled)."""
-        if not self.finished:
-            self.engine._cancel(self)
-            self._events.put(("cancel", -1, None))
-
-    def _feed(self) -> None:
-        new = []
-        while self._pending and len(self._mine) + len(new) < self.limit:
-            i, text = self._pending.pop(0)
-            new.append(qs.question(self.session, i, text, self._options, history=self._history, check=self._check,
-                                   prompt=self._prompts[i] if self._prompts else None,
-                                   on_text=lambda t, i=i: self._events.put(("text", i, t))))
-        if new:
-            self.engine._submit(self, new)
-            self._mine.update((q.row.index, q) for q in new)
-            openmp.release()  # this thread waits now; the engine thread computes
-
-    def __iter__(self) -> Iterator[Text | Answered | Done | Failed]:
-        if self.finished:
-            return
-        try:
-            while self._pending or self._mine:
-                kind, i, value = self._events.get()
-                if kind == "text":
-                    yield Text(i, value)
-                elif kind == "done":
-                    answer = self.answers[i] = self._mine.pop(i).answer(self.session, self._start, self.engine.turn)
-                    answer.decoding = self.engine.mode
-                    if self._served:
-                        self._served(i, answer)
-                    self._feed()
-                    yield Answered(i, answer)
-                else:  # "error": the step failed for every row in it, or the engine closed; "cancel"
-                    self._mine.pop(i, None)
-                    self._leave()
-                    yield Failed(Cancelled("the request was cancelled") if kind == "cancel" else value)
-                    return
-            self._leave()
-            yield Done(self.answers)
-        finally:
-            self._leave()
-
-    def _leave(self) -> None:
-        if not self.finished:
-            self.finished = True
-            if self._mine:
-                self.engine._cancel(self)
-            self.engine._ended(self)
-
-    def result(self, on_text: Callable[[int, str], None] | None = None,
-               on_answer: Callable[[int, Any], None] | None = None) -> list[Any]:
-        """Read every event here: on_text(i, text), on_answer(i, answer); the answers in order, or Failed's error
-        raised (a callback that raises cancels the rest)."""
-        with self:
-            for event in self:
-                if isinstance(event, Text):
-                    if on_text:
-                        on_text(event.index, event.text)
-                elif isinstance(event, Answered):
-                    if on_answer:
-                        on_answer(event.index, event.answer)
-                elif isinstance(event, Failed):
-                    raise event.error
-        return self.answers
-
-    def __enter__(self) -> Request:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.cancel()
-        self._leave()
+from ..decoding.solo import OneRowDecoder
+from ..model.cpu import CpuTuning
+from .requests import Answered, Cancelled, Done, EngineBusy, EngineClosed, Failed, Request, Text  # noqa: F401  (the request API)
 
 
 class _Turn:
@@ -145,6 +39,7 @@ class Engine:
     def __init__(self, lm: Any, *, width: int | None = None, batched: bool | None = None):
         self.lm = lm
         self.width = width  # rows per document (a server's --batch-size); None: as wide as each asker asks
+        self.max_queue: int | None = None  # requests that may wait beyond those decoding (a server's); None: any
         self._batched = batched  # None: decided by the model's probe (engine/scheduling/probe.py) when the first row arrives
         self.why = "" if batched is None else "set by the caller"  # the probe's reason, once it ran
         self.eos = batch.eos_ids(lm.model)
@@ -160,7 +55,7 @@ class Engine:
         self._closed = False
         self._inside = threading.local()  # set in the engine thread and in a granted turn: turns nest
         self.asked = self.steps = self.peak_rows = 0
-        self._ways = Faster()  # how one-row steps run fastest here, measured across every row of this model
+        self.cpu = CpuTuning()  # how this model's steps use the CPU (OpenMP pools, split products), measured here
 
     # ---- what askers call
     @property
@@ -194,6 +89,13 @@ class Engine:
             return self.decoding or bool(self._turns)
 
     @property
+    def in_use(self) -> bool:
+        """Whether busy, or any request is not yet read to its end (its reader still sends what it read: a server's
+        idle timer counts that as use)."""
+        with self._cv:
+            return self.busy or bool(self._askers)
+
+    @property
     def decoding(self) -> bool:
         """Whether any row is waiting or decoding (a prefill then cuts its chunks: engine/prefilling.py)."""
         with self._cv:
@@ -216,19 +118,25 @@ class Engine:
             yield
         finally:
             self._inside.held = False
-            openmp.release()  # before the engine steps again
+            self.cpu.release()  # before the engine steps again
             t.done.set()
 
     def submit(self, session: Any, texts: Sequence[str], options: Any, *, history: Sequence[Any] = (),
-               limit: int | None = None, check: bool = False, start: float | None = None,
-               prompts: Sequence[list[int]] | None = None, served: Callable[[int, Any], None] | None = None) -> Request:
+               limit: int | None = None, check: bool = False, prompts: Sequence[list[int]] | None = None,
+               served: Callable[[int, Any], None] | None = None) -> Request:
         """Ask `texts` on the session's document, at most `limit` of them decoding at once (default: the width),
         each after `history`; returns the Request to read their events from (its first rows are in already).
-        prompts: the questions' prompt ids when already tokenized (Session.check_prompt); served(i, answer):
-        called as each answer completes, before its event (the warm server's account)."""
+        EngineBusy when the engine's queue is full (max_queue). prompts: the questions' prompt ids when already
+        tokenized (Session.check_prompt); served(i, answer): called as each answer completes, before its event
+        (the warm server's account)."""
         limit = max(1, min(limit or self.width or DEFAULT_WIDTH, self.width or limit or DEFAULT_WIDTH))
-        return Request(self, session, texts, options, history=history, limit=limit, check=check,
-                       start=session.clock() if start is None else start, prompts=prompts, served=served)
+        self.attach(session)
+        try:
+            return Request(self, session, texts, options, history=history, limit=limit, check=check,
+                           start=session.clock(), prompts=prompts, served=served)
+        except BaseException:
+            self.detach(session)
+            raise
 
     def ask(self, session: Any, texts: Sequence[str], options: Any, *, on_text: Callable[[int, str], None] | None = None,
             on_answer: Callable[[int, Any], None] | None = None, **kw: Any) -> list[Any]:
@@ -243,9 +151,21 @@ class Engine:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        self.cpu.close()
 
-    # ---- the engine thread
-    def _submit(self, request: Request, new: list[qs.Question]) -> None:
+    # ---- what a Request calls
+    def attach(self, session: Any) -> None:
+        """Count a request on `session` (its decoder stays while any is counted); EngineBusy when max_queue requests
+        already wait beyond those decoding at once (the width, or 1 where rows run one at a time)."""
+        with self._cv:
+            held = sum(self._askers.values())
+            slots = 1 if self._batched is False else (self.width or DEFAULT_WIDTH)
+            if self.max_queue is not None and held >= slots + self.max_queue:
+                raise EngineBusy(f"busy: {held} requests already running or waiting for this model; retry later")
+            self._askers[id(session)] = self._askers.get(id(session), 0) + 1
+
+    def enqueue(self, request: Request, new: list[qs.Question]) -> None:
+        """The request's next questions join at the engine's next step (EngineClosed once closing)."""
         with self._cv:
             if self._closed:
                 raise EngineClosed("the engine is stopping")
@@ -255,15 +175,14 @@ class Engine:
             self._start()
             self._cv.notify()
 
-    def _cancel(self, request: Request) -> None:
+    def withdraw(self, request: Request) -> None:
         """The request's rows leave at the engine's next wake-up (its one point for cancels, in _take_in)."""
         with self._cv:
             self._cancels.append(request)
             self._cv.notify()
 
-    def _ended(self, request: Request) -> None:
-        """A request was read to its end (or left): its document's decoder goes once no other asker holds it."""
-        session = request.session
+    def detach(self, session: Any) -> None:
+        """A request on `session` was read to its end (or left): its decoder goes once no other request holds it."""
         with self._cv:
             self._askers[id(session)] -= 1
             if not self._askers[id(session)]:
@@ -273,6 +192,7 @@ class Engine:
                     del self._decoders[id(session)]  # its suffix buffers go now, not at the engine's next wake-up
             self._cv.notify()
 
+    # ---- the engine thread
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():  # caller holds _cv
             self._thread = threading.Thread(target=self._run, name="kvcli-engine", daemon=True)
@@ -287,10 +207,10 @@ class Engine:
     def _decoder(self, session: Any, width: int) -> Decoder:
         length = len(session.token_ids)
         if width == 1 or not self.batched:  # rows one at a time, on the model's own attention
-            return OneRowDecoder(self.lm.model, session.cache, eos=self.eos, length=length, ways=self._ways)
+            return OneRowDecoder(self.lm.model, session.cache, eos=self.eos, length=length, cpu=self.cpu)
         if LoneOrBatchDecoder.suits(session.cache):  # a lone row on the model's own attention; joined, batched
             return LoneOrBatchDecoder(self.lm.model, session.cache, width=width, eos=self.eos, pad_id=self.pad_id,
-                                      length=length, ways=self._ways)
+                                      length=length, cpu=self.cpu)
         return batch.BatchDecoder(self.lm.model, session.states, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
 
     def _take_in(self) -> tuple[list[tuple[Any, Decoder]], _Turn | None]:
@@ -327,7 +247,7 @@ class Engine:
         while True:
             with self._cv:
                 if not self._has_work():
-                    openmp.release()  # idle: whoever computes next (a prefill, a restore) has the cores
+                    self.cpu.release()  # idle: whoever computes next (a prefill, a restore) has the cores
                 while not self._has_work():
                     self._cv.wait()
                 if self._closed:
@@ -337,7 +257,7 @@ class Engine:
             for session, decoder in work:
                 self._step(session, decoder)
             if turn is not None:
-                openmp.release()  # the turn's thread computes while this one waits
+                self.cpu.release()  # the turn's thread computes while this one waits
                 turn.granted.set()
                 turn.done.wait()
 
