@@ -404,7 +404,7 @@ class _CountingProvider:
             opened.release()
             release()
 
-        return Opened(session=opened.session, release=both, submitter=opened.submitter, concurrency=opened.concurrency)
+        return Opened(session=opened.session, release=both, lease=opened.lease)
 
 
 def test_every_session_lent_is_given_back_once(docs):

@@ -378,3 +378,35 @@ def test_socket_path_rule(monkeypatch, tmp_path):
     assert client.socket_path() == kvcli_home() / "kvcli.sock" == client.kvcli_home() / "kvcli.sock"
     monkeypatch.setenv("KVCLI_SOCKET", "rel.sock")
     assert client.socket_path() == tmp_path.cwd() / "rel.sock"
+
+
+def test_evicting_a_model_closes_its_engine(world):
+    """Asked in turn through two models with room for nothing idle, the warm server loads and evicts a model per
+    question: each eviction closes that model's engine, so threads and engines stay at what one round leaves, the
+    evicted models are freed, and every answer stays right."""
+    import gc
+    import weakref
+
+    from kvcli.engine.scheduling import scheduler
+
+    warm = Warm(max_memory=1)  # nothing stays once given back
+    specs = [SessionSpec((str(world["root"] / name),)) for name in ("ref-a.kv", "other.kv")]
+    opts = kvcli.GenerationOptions(max_new_tokens=4)
+    first, models, counts = None, [], []
+    try:
+        for _round in range(4):
+            answers = []
+            for spec in specs:
+                with warm.session(spec) as lease:
+                    answers.append(lease.ask(QUESTIONS[0], opts).answer_token_ids)
+                    models.append(weakref.ref(lease.session.lm.model))
+                del lease  # the test's own reference
+            first = first or answers
+            assert answers == first
+            assert warm.status()["models"] == []  # evicted once given back
+            gc.collect()
+            counts.append((len([t for t in threading.enumerate() if t.name.startswith("kvcli-")]), len(scheduler._engines)))
+        assert all(c[0] <= counts[0][0] and c[1] <= counts[0][1] for c in counts), counts  # bounded: as after round 1
+        assert sum(ref() is not None for ref in models) == 0  # no evicted model is held by anything
+    finally:
+        warm.close()

@@ -194,3 +194,52 @@ def test_serve_http_without_the_serve_extra_says_how_to_install_it(tmp_path, mon
         line = assert_clean_error(result, 1, "the serve extra is not installed", repr(missing))
         assert "unexpected" not in line and "pip install 'kvcli[serve]'" in result.stderr and ".[serve]'" in result.stderr
     assert not (tmp_path / "x.sock").exists()  # nothing was started
+
+
+def test_a_streamed_answer_outlives_a_short_idle_timeout(world, monkeypatch):
+    """The idle timer counts an answer as use until its last chunk is sent, not only while the engine decodes: here
+    each event reaches the client late, so the engine ends long before the response, and the server waits."""
+    import asyncio
+    import threading
+
+    from kvcli.serve.answering import Answering
+    from kvcli.serve.server import Server
+    from kvcli.serve.warm import Warm
+
+    real_next = Answering.next
+
+    async def late_next(self):
+        await asyncio.sleep(0.05)
+        return await real_next(self)
+
+    root = short_dir()
+    server = Server(root / "s.sock", Warm(), idle_timeout=0.5, log=lambda _line: None)
+    server.start(preload=False)
+    web = http.start("127.0.0.1", 0, provider=WarmProvider(server.warm, [world["root"] / "docs"], on_use=server.touch))
+    stopped = threading.Event()
+    loop = threading.Thread(target=lambda: (server.serve_forever(), stopped.set(), web.stop()), daemon=True)  # as `kvcli serve`
+    try:
+        c = openai.OpenAI(base_url=web.base_url, api_key="x", max_retries=0, timeout=60)
+        options = dict(model="a.kv", messages=[{"role": "user", "content": Q1}], max_tokens=60)
+        tokens = c.chat.completions.create(**options).usage.completion_tokens  # restored and warm now
+        monkeypatch.setattr(Answering, "next", late_next)
+        server.touch()
+        loop.start()
+        alive_at_end = None
+        with httpx.stream("POST", web.base_url + "/chat/completions", json={**options, "stream": True}, timeout=60) as r:
+            lines = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    alive_at_end = not stopped.is_set()
+        assert tokens >= 20 and len(lines) >= tokens and lines[-1] == "data: [DONE]"  # ~3 s after the engine finished
+        assert alive_at_end  # the server waited for the answer's last chunk
+        loop.join(30)
+        assert not loop.is_alive()  # and once idle, the timer stops it
+    finally:
+        server.stop(hard=True)
+        if loop.is_alive():
+            loop.join(30)
+        else:
+            web.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -23,16 +23,16 @@ def _nothing() -> None:
 
 @dataclass
 class Opened:
-    """A Session lent to one request: submit() joins its model's engine; release() gives the session back."""
+    """A Session lent to one request, asked through `asker` (events.ask_events); release() gives it back."""
 
     session: Any  # kvcli.engine.answer.Session
     release: Callable[[], None] = _nothing  # called once when the request is done with the session
-    submitter: Callable[..., Any] | None = None  # a provider's own submit (a warm Lease's: it counts answers served)
-    concurrency: int = 1  # requests that decode together on this document
+    lease: Any = None  # a warm server's Lease of the session (it counts the answers served), if lent by one
 
-    def submit(self, question: str, options: Any, *, history: Sequence[tuple[str, str]] = (), prompt: list[int] | None = None):
-        """One question's Request (engine/scheduling/scheduler.py): events to read, cancel() once the asker left."""
-        return (self.submitter or self.session.submit)([question], options, history=history, prompts=[prompt] if prompt else None)
+    @property
+    def asker(self) -> Any:
+        """What the request's questions are submitted to: the lease, else the Session itself."""
+        return self.lease if self.lease is not None else self.session
 
 
 class Provider(Protocol):
@@ -116,7 +116,7 @@ class WarmProvider:
             held.__exit__(None, None, None)
             self.on_use()
 
-        return Opened(session=lease.session, release=release, submitter=lease.submit, concurrency=lease.concurrency)
+        return Opened(session=lease.session, release=release, lease=lease)
 
 
 class DocsProvider(WarmProvider):

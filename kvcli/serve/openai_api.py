@@ -168,31 +168,33 @@ def model_entry(model_id: str, row: dict[str, Any], scrub=lambda text: text) -> 
     return {"id": model_id, "object": "model", "created": created, "owned_by": "kvcli", "kvcli": meta}
 
 
-def usage(answer) -> dict[str, Any]:
-    prompt, completion = len(answer.prompt_token_ids), len(answer.answer_token_ids)
+def usage(answer: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage block of an answer record (Answer.to_json(), as `ask --json` prints it)."""
+    prompt, completion = len(answer["prompt_token_ids"]), len(answer["answer_token_ids"])
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": answer.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": answer["cached_tokens"]}}
 
 
 def completion_id(text: bool = False) -> str:
     return f"{'cmpl' if text else 'chatcmpl'}-{uuid.uuid4().hex}"
 
 
-def completion(cid: str, model: str, answer, *, text: bool = False) -> dict[str, Any]:
-    """The non-streamed chat.completion object (text: the legacy text_completion)."""
-    choice = ({"index": 0, "text": answer.answer} if text else
-              {"index": 0, "message": {"role": "assistant", "content": answer.answer}})
+def completion(cid: str, model: str, answer: dict[str, Any], *, text: bool = False) -> dict[str, Any]:
+    """The non-streamed chat.completion object of an answer record (text: the legacy text_completion)."""
+    choice = ({"index": 0, "text": answer["answer"]} if text else
+              {"index": 0, "message": {"role": "assistant", "content": answer["answer"]}})
+    blended = answer.get("blended")
     return {
         "id": cid, "object": "text_completion" if text else "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{**choice, "finish_reason": answer.finish_reason, "logprobs": None}],
+        "choices": [{**choice, "finish_reason": answer["finish_reason"], "logprobs": None}],
         "usage": usage(answer),
-        "kvcli": {"ttft_s": answer.ttft_s, "total_s": answer.total_s, "processed_tokens": answer.processed_tokens,
-                  **({"blended": {k: v for k, v in answer.blended.items() if k != "caches"}} if answer.blended else {})},
+        "kvcli": {"ttft_s": answer["ttft_s"], "total_s": answer["total_s"], "processed_tokens": answer["processed_tokens"],
+                  **({"blended": {k: v for k, v in blended.items() if k != "caches"}} if blended else {})},
     }
 
 
 def chunk(cid: str, model: str, *, delta: dict[str, Any] | None = None, finish_reason: str | None = None,
-          answer=None, with_choice: bool = True, text: bool = False) -> dict[str, Any]:
+          answer: dict[str, Any] | None = None, with_choice: bool = True, text: bool = False) -> dict[str, Any]:
     """One chat.completion.chunk: a content delta, the closing finish_reason, or (choices empty) the usage;
     text: a legacy text_completion chunk, its delta's content as `text`."""
     out: dict[str, Any] = {"id": cid, "object": "text_completion" if text else "chat.completion.chunk", "created": int(time.time()),

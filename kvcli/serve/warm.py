@@ -37,6 +37,7 @@ from . import memory
 from ..requests import ModelSpec, SessionSpec
 
 Note = Callable[[str], None]
+DEFAULT_MAX_QUEUE = 32  # requests waiting per model, beyond those decoding, before more are refused (EngineBusy)
 
 
 @dataclass
@@ -88,12 +89,6 @@ class Lease:
     def check_prompt(self, question: str, history: Any = (), options: Any = None) -> tuple[list[int], int]:
         return self.session.check_prompt(question, history, options)
 
-    @property
-    def concurrency(self) -> int:
-        """Questions that decode together on this document (1: one at a time)."""
-        engine = self._model.engine
-        return (engine.width or 1) if engine.batched else 1
-
     def submit(self, questions: list[str], options: Any = None, **kw: Any):
         """Session.submit, with each answer counted and the memory account fitted as it completes."""
         def answered(_i: int, _a: Any) -> None:
@@ -123,7 +118,8 @@ class HeldModel:
 class Warm:
     """Loaded models and restored caches, least recently used first out when over max_memory bytes."""
 
-    def __init__(self, max_memory: int | None = None, batch_size: int | None = None, host_memory: int | None = None):
+    def __init__(self, max_memory: int | None = None, batch_size: int | None = None, host_memory: int | None = None,
+                 max_queue: int = DEFAULT_MAX_QUEUE):
         from ..engine.answer import DEFAULT_BATCH
 
         self.max_memory = max_memory or memory.default_max_memory()
@@ -132,6 +128,7 @@ class Warm:
 
             tiers.HOST.limit = host_memory
         self.batch_size = batch_size or DEFAULT_BATCH  # questions on one document decoded together
+        self.max_queue = max_queue  # each model's engine admits this many requests beyond those decoding
         self._entries: dict[str, _Entry] = {}  # insertion order = use order (moved to the end on use)
         self._alias: dict[str, str] = {}  # requested model key -> the key of what was loaded
         self._mutex = threading.RLock()
@@ -218,17 +215,20 @@ class Warm:
 
     @property
     def busy(self) -> bool:
-        """Whether any request holds a model or cache, or any engine has work (for the idle timeout)."""
+        """Whether any request holds a model or cache, or any engine has work or a request not yet read to its end
+        (for the idle timeout: an answer still streaming to its client is use)."""
         with self._mutex:
             entries = list(self._entries.values())
-        return any(e.users > 0 for e in entries) or any(e.engine.busy for e in entries if e.kind == "model")
+        return any(e.users > 0 for e in entries) or any(e.engine.in_use for e in entries if e.kind == "model")
 
     def close(self) -> None:
         """Stop every model's engine: requests still waiting or decoding end with EngineClosed."""
+        from ..engine.scheduling.scheduler import close_engine
+
         with self._mutex:
-            engines = [e.engine for e in self._entries.values() if e.kind == "model"]
-        for engine in engines:
-            engine.close()
+            models = [e.obj for e in self._entries.values() if e.kind == "model"]
+        for lm in models:
+            close_engine(lm)
 
     # ---- internals
     @contextmanager
@@ -299,7 +299,7 @@ class Warm:
         try:
             session = an.open_session(spec, lend)
             model_entry = lent[0]
-            info = {"path": " + ".join(spec.caches), "model": model_entry.info["name"], "num_tokens": len(session.token_ids),
+            info = {"path": " + ".join(spec.caches), "model": model_entry.info["name"], "num_tokens": session.num_tokens,
                     "dtype": session.manifest.dtype, "load_s": round(session.load_s, 4)}
             identity = (identity, *(_identity_or_none(p) for p in session.links))
             entry = _Entry(spec.key, "cache", session, session.nbytes(), info, identity=identity, links=session.links,
@@ -336,6 +336,7 @@ class Warm:
             model = model.resolved(source, model.dtype)
         lm = an.load_model(model, progress)
         engine = engine_for(lm, width=self.batch_size)  # rows per document on this model: the server's --batch-size
+        engine.max_queue = self.max_queue
         canonical = ModelSpec(lm.source, None, model.device, dtype_name(lm.dtype), model.trust_remote_code).key
         with self._mutex:
             self._alias[key] = canonical
@@ -360,12 +361,14 @@ class Warm:
             e = self._entries.get(key)
             if e is None or e.users > 0:
                 continue
-            if e.kind == "model" and any(c.model_key == key and c.users > 0 for c in self._entries.values() if c.kind == "cache"):
+            if e.kind == "model" and (e.engine.in_use or any(c.model_key == key and c.users > 0
+                                                             for c in self._entries.values() if c.kind == "cache")):
                 continue
             total -= self._drop(key)
 
     def _drop(self, key: str) -> int:
-        """Forget an entry (a model takes the caches restored against it along); returns the bytes freed."""
+        """Forget an entry (a model takes the caches restored against it along, and closes its engine: its thread
+        ends and nothing holds the model any more); returns the bytes freed."""
         e = self._entries.pop(key, None)
         if e is None:
             return 0
@@ -374,8 +377,11 @@ class Warm:
         if e.kind == "cache" and restore is not None:  # on a GPU with a host tier, its document is kept there
             restore.leaving(e.obj)
         if e.kind == "model":
+            from ..engine.scheduling.scheduler import close_engine
+
             for ck in [k for k, c in self._entries.items() if c.kind == "cache" and c.model_key == key and c.users == 0]:
                 freed += self._entries.pop(ck).nbytes
+            close_engine(e.obj)  # idle (never dropped in use): its thread ends at once
         return freed
 
 
