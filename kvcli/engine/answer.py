@@ -50,9 +50,7 @@ class Session:
             self.path = opened[0].path
             self.manifest = opened[0].manifest
             for o in opened:
-                if o.manifest.sections is not None:
-                    raise UsageError(f"{o.path}: a sectioned cache (a document longer than the window) makes a prompt per "
-                                     "question and cannot be blended; open it with ModelPool.session or sections.SectionedSession")
+                _not_sectioned(o, blended=blend is not None)
             for o in opened:
                 fit.check_fits(o.manifest, lm, str(o.path), convert_dtype=convert_dtype)
             if blend is None:
@@ -249,11 +247,24 @@ def open_session(spec: SessionSpec, lend: Lender, *, where: str | None = None) -
         for o, p in zip(opened, paths):
             fit.check_request(o.manifest, (where if len(paths) == 1 else None) or str(p), dtype=spec.model.dtype,
                               convert_dtype=spec.convert_dtype)
+            if spec.blend is not None:  # refused before the model loads
+                _not_sectioned(o, blended=True)
         with lend(model_for_cache(spec.model, opened[0].manifest)) as lm:
             if spec.blend is None and opened[0].manifest.sections is not None:
                 return _sectioned(lm, opened[0], spec, held)
             return Session(lm, opened if spec.blend else opened[0], convert_dtype=spec.convert_dtype,
                            blend=spec.blend.recompute if spec.blend else None)
+
+
+def _not_sectioned(opened: store.OpenedCache, *, blended: bool) -> None:
+    """BlendError for a sectioned cache given as one of a blend's, or to a Session (SectionedSession answers it)."""
+    from ..errors import BlendError
+
+    if opened.manifest.sections is not None:
+        how = "cannot be blended with others; ask it alone" if blended else \
+            "is not one prompt; open it with open_session or ModelPool.session"
+        raise BlendError(f"{opened.path}: a sectioned cache (a document longer than the window) makes a prompt per "
+                         f"question and {how}")
 
 
 def _sectioned(lm: LoadedModel, opened: store.OpenedCache, spec: SessionSpec, held: Any):

@@ -191,7 +191,7 @@ def prefill(
             ids = base.manifest.token_ids + new_ids
             exc = too_long(document.name, len(ids), lm.max_positions)
             if exc is not None:
-                raise exc
+                raise type(exc)(f"{exc}; a document extending a cache (--after) is not cut into sections: prefill it alone")
         else:
             ids, frame = document_split(lm, document, asked, split)
         grow = not force if extend is None else extend
@@ -245,6 +245,9 @@ def _open_base(lm: LoadedModel, after: str | os.PathLike, asked: fr.Framing):
     opened = store.open_cache(after)
     try:
         fit.check_fits(opened.manifest, lm, str(after))
+        if opened.manifest.sections is not None:
+            raise UsageError(f"{after}: is a sectioned cache (a document longer than the window), whose questions each "
+                             "compose their own prompt; --after extends only a cache of one prompt")
         if opened.manifest.quant is not None:
             raise CacheMismatchError(f"{after}: is stored {opened.manifest.storage} (lossy); a cache extends only a "
                                      "lossless one, so that its own keys/values are those of the whole prompt")

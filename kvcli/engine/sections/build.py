@@ -85,6 +85,9 @@ def prefill(lm: Any, document: Document, out: str | os.PathLike, *, window: int 
     from .. import prefilling as pf
 
     limit = window_limit(lm.max_positions, window)
+    if options.get("after") is not None and window is not None:
+        raise UsageError("--window cuts a document prefilled alone into sections; a document extending a cache (--after) "
+                         "is not cut: drop one of them")
     if options.get("after") is None:
         asked = fr.choose(lm.tokenizer, options.get("framing", "auto"), options.get("system"))
         split = options.get("split") or fr.split_document(lm.tokenizer, asked, document.text)
