@@ -47,7 +47,6 @@ def prefill(
 ) -> int:
     """Run documents through the model once and write their key/value caches."""
     from .. import documents
-    from ..format import writing
     from ..remote import is_url
     from ..requests import ModelSpec, PrefillRequest
 
@@ -68,18 +67,27 @@ def prefill(
         return _prefill_corpus(out, request, docs, from_list, shard, output, json_out=json_out)
     if not docs:
         raise UsageError("no document given (DOC ..., or --from-list FILE)")
+    return _prefill_docs(out, request, docs, output, server, json_out=json_out, spelled=model)
+
+
+def _prefill_docs(out: Output, request, docs: list[str], output: Optional[str], server: Optional[bool], *, json_out: bool,
+                  spelled: Optional[str]) -> int:
+    """Documents given by name, each to its cache: through a running server when one answers, else in-process."""
+    from .. import documents
+    from ..format import writing
+
     targets, folder = _cache_targets(docs, Path(output) if output is not None else None)
     if folder is not None:
         writing.make_folder(folder)  # the writer, here or the server, writes into it
     request = replace(request, docs=tuple((str(d), str(t)) for d, t in targets))
     if server is not False and "-" not in docs:  # a document on stdin is prefilled in-process
-        code = _served(out, request, server, json_out=json_out, spelled=model)
+        code = _served(out, request, server, json_out=json_out, spelled=spelled)
         if code is not None:
             return code
     from ..engine import corpus
 
     jobs = [corpus.Job(d, corpus.LocalTarget(Path(t))) for d, t in request.docs]
-    return _run(out, request, jobs, list(request.docs), json_out=json_out, read=lambda doc: documents.read(doc, encoding),
+    return _run(out, request, jobs, list(request.docs), json_out=json_out, read=lambda doc: documents.read(doc, request.encoding),
                 incremental=False, upfront=True, fit=lambda: _fit_check(out, request))
 
 

@@ -42,19 +42,7 @@ def serve(
     size = units.parse_size(max_memory) if max_memory else None
     host_size = units.parse_size(max_host_memory, "--max-host-memory") if max_host_memory else None
     idle = units.parse_duration(idle_timeout) if idle_timeout else None
-    if http_at:
-        from ..serve import http
-
-        host, port = http.parse_address(http_at)
-        http.require_extra()  # before anything starts, here or detached
-        http.check_bind(host, api_key)
-        http.allowed_hosts(host, allow_host), http.check_origins(allow_origin)
-        docs = [d.resolve() for d in (docs or [Path(".")])]
-        for d in docs:
-            if not d.is_dir():
-                raise UsageError(f"--docs {d}: not a folder")
-    elif docs or allow_host or allow_origin:
-        raise UsageError(f"{'--docs' if docs else '--allow-host' if allow_host else '--allow-origin'} goes with --http HOST:PORT")
+    web = _web_options(http_at, api_key, docs, allow_host, allow_origin, max_tokens)  # checked before anything starts
     if stop:
         pid = sv.stop_server(path)
         if pid is None:
@@ -69,34 +57,73 @@ def serve(
         args = (["--max-memory", max_memory] if max_memory else []) + (["--idle-timeout", idle_timeout] if idle_timeout else [])
         args += ["--autostarted"] if autostarted else []
         args += ["--max-host-memory", max_host_memory] if max_host_memory else []
-        args += ["--batch-size", str(batch_size)]
-        if http_at:
-            args += ["--http", http_at, *[a for d in docs for a in ("--docs", str(d))], "--max-tokens", str(max_tokens)]
-            args += [a for h in allow_host for a in ("--allow-host", h)] + [a for o in allow_origin for a in ("--allow-origin", o)]
-        pid = sv.detach(path, args, env={"KVCLI_API_KEY": api_key} if api_key else None)  # the key never on a command line
-        out.write(f"{pid}\n")
-        reply = client.call(path, "status") or {}
-        addresses = (reply.get("status") or {}).get("addresses") or {"socket": str(path)}
-        out.note(f"serving on {_addresses(addresses)} (log: {sv.log_path()})")
-        return 0
+        args += ["--batch-size", str(batch_size), *_web_args(web)]
+        return _detach(out, path, args, api_key)
     from ..serve.warm import Warm
 
     server = sv.Server(path, Warm(size, batch_size=batch_size, host_memory=host_size), idle_timeout=idle, log=out.note, autostarted=autostarted)
     with out.status("starting"):
         server.start()
-    web = None
-    if http_at:
+    return _serve(out, server, web)
+
+
+def _web_options(http_at: Optional[str], api_key: Optional[str], docs: list[Path], allow_host: list[str],
+                 allow_origin: list[str], max_tokens: int) -> Optional[dict]:
+    """--http and the options that go with it, checked (UsageError), as http.start's keywords; None without --http."""
+    if not http_at:
+        if docs or allow_host or allow_origin:
+            raise UsageError(f"{'--docs' if docs else '--allow-host' if allow_host else '--allow-origin'} goes with --http HOST:PORT")
+        return None
+    from ..serve import http
+
+    host, port = http.parse_address(http_at)
+    http.require_extra()  # before anything starts, here or detached
+    http.check_bind(host, api_key)
+    http.allowed_hosts(host, allow_host), http.check_origins(allow_origin)
+    docs = [d.resolve() for d in (docs or [Path(".")])]
+    for d in docs:
+        if not d.is_dir():
+            raise UsageError(f"--docs {d}: not a folder")
+    return {"host": host, "port": port, "at": http_at, "docs": docs, "api_key": api_key, "allow_hosts": allow_host,
+            "allow_origins": allow_origin, "max_tokens": max_tokens}
+
+
+def _web_args(web: Optional[dict]) -> list[str]:
+    """The --http options again, for a detached server's command line (the API key travels in its environment)."""
+    if web is None:
+        return []
+    args = ["--http", web["at"], *[a for d in web["docs"] for a in ("--docs", str(d))], "--max-tokens", str(web["max_tokens"])]
+    return args + [a for h in web["allow_hosts"] for a in ("--allow-host", h)] + [a for o in web["allow_origins"] for a in ("--allow-origin", o)]
+
+
+def _detach(out: Output, path: Path, args: list[str], api_key: Optional[str]) -> int:
+    from ..serve import client, server as sv
+
+    pid = sv.detach(path, args, env={"KVCLI_API_KEY": api_key} if api_key else None)  # the key never on a command line
+    out.write(f"{pid}\n")
+    reply = client.call(path, "status") or {}
+    addresses = (reply.get("status") or {}).get("addresses") or {"socket": str(path)}
+    out.note(f"serving on {_addresses(addresses)} (log: {sv.log_path()})")
+    return 0
+
+
+def _serve(out: Output, server, web: Optional[dict]) -> int:
+    """Serve in the foreground (with the HTTP endpoint beside the socket, when asked) until stopped."""
+    running = None
+    if web is not None:
+        from ..serve import http
         from ..serve.docs import WarmProvider
 
-        web = http.start(host, port, provider=WarmProvider(server.warm, docs, on_use=server.touch), api_key=api_key,
-                         allow_hosts=allow_host, allow_origins=allow_origin, max_tokens=max_tokens)
-        server.listening("http", web.base_url)
-        out.note(f"OpenAI-compatible endpoint on {web.base_url} for the caches in {', '.join(map(str, docs))}")
+        running = http.start(web["host"], web["port"], provider=WarmProvider(server.warm, web["docs"], on_use=server.touch),
+                             api_key=web["api_key"], allow_hosts=web["allow_hosts"], allow_origins=web["allow_origins"],
+                             max_tokens=web["max_tokens"])
+        server.listening("http", running.base_url)
+        out.note(f"OpenAI-compatible endpoint on {running.base_url} for the caches in {', '.join(map(str, web['docs']))}")
     try:
         server.serve_forever()
     finally:
-        if web is not None:
-            web.stop()
+        if running is not None:
+            running.stop()
     return 0
 
 
