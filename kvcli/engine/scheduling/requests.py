@@ -60,11 +60,10 @@ class Request:
     early (an exception in the reader, a break) cancels; cancelling a finished request does nothing."""
 
     def __init__(self, engine: Any, session: Any, texts: Sequence[str], options: Any, *, history: Sequence[Any],
-                 limit: int, check: bool, start: float, prompts: Sequence[list[int]] | None,
-                 served: Callable[[int, Any], None] | None):
+                 limit: int, check: bool, prompts: Sequence[list[int]] | None, served: Callable[[int, Any], None] | None):
         self.engine, self.session, self.limit = engine, session, limit
         self._texts, self._options, self._history, self._check, self._prompts = texts, options, history, check, prompts
-        self._start, self._served = start, served
+        self._start, self._served = session.clock(), served  # the answers' timings count from here
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = list(enumerate(texts))
         self._mine: dict[int, Any] = {}  # row index -> its decoding.questions.Question

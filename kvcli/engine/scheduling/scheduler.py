@@ -133,7 +133,7 @@ class Engine:
         self.attach(session)
         try:
             return Request(self, session, texts, options, history=history, limit=limit, check=check,
-                           start=session.clock(), prompts=prompts, served=served)
+                           prompts=prompts, served=served)
         except BaseException:
             self.detach(session)
             raise
