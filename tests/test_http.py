@@ -426,3 +426,20 @@ def test_every_session_lent_is_given_back_once(docs):
         assert provider.lent == 4 and provider.back == 4
     finally:
         srv.stop()
+
+
+def test_a_stopped_server_leaves_no_answer_threads(docs):
+    """The app's one pool of answer threads (not one per model) ends with the server."""
+    provider = DocsProvider([docs[0]])
+    srv = http.start("127.0.0.1", 0, provider=provider)
+    c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
+    for _ in range(3):
+        c.chat.completions.create(model="licence.kv", messages=[{"role": "user", "content": Q1}], max_tokens=2)
+    pool = srv.server.config.app.state.workers
+    threads = list(pool._threads)
+    assert threads  # the answers were read in the app's pool
+    srv.stop()
+    provider.warm.close()  # its engines too, as `kvcli serve` closes them
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)

@@ -254,7 +254,9 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
         Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
                    allow_headers=["authorization", "content-type"], max_age=600),
     ]
-    return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: not_found})
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: not_found})
+    app.state.workers = ctx.workers  # shut down with the server (Running.stop)
+    return app
 
 
 def require_extra() -> None:
@@ -303,7 +305,7 @@ class Running:
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout)
-
+        self.server.config.app.state.workers.shutdown(wait=False)  # its idle answer threads end
 
 def start(host: str, port: int, *, provider: Provider | None = None, docs: Sequence[str] = (), api_key: str | None = None,
           max_queue: int = DEFAULT_MAX_QUEUE, ready_timeout: float = 30.0, allow_hosts: Sequence[str] = (),
