@@ -139,8 +139,7 @@ class Session:
         return start
 
     def submit(self, questions: Sequence[str], options: GenerationOptions | None = None, *, batch_size: int | None = None,
-               check: bool = False, history: Sequence[conversation.Exchange] = (), prompts: Sequence[list[int]] | None = None,
-               served: Callable[[int, Answer], None] | None = None):
+               check: bool = False, history: Sequence[conversation.Exchange] = (), prompts: Sequence[list[int]] | None = None):
         """Submit questions to the model's engine; returns the Request (engine/scheduling/scheduler.py) to iterate
         for events (Text, Answered, then Done or Failed) and to cancel(). Each decoding step runs every running
         question of this document (and of any other asker) in one forward pass (engine/decoding/batch.py).
@@ -151,7 +150,7 @@ class Session:
         from .scheduling.scheduler import engine_for
 
         return engine_for(self.lm).submit(self, questions, options or GenerationOptions(), history=history, limit=batch_size,
-                                          check=check, prompts=prompts, served=served)
+                                          check=check, prompts=prompts)
 
     def ask(self, question: str, options: GenerationOptions | None = None, on_text: TokenFn | None = None,
             *, check: bool = False, history: Sequence[conversation.Exchange] = ()) -> Answer:

@@ -96,7 +96,9 @@ class Lease:
             self._warm.fit()  # the account as held now (suffix buffers and grown caches counted): others go if over
 
         self._warm.fit()
-        return self.session.submit(questions, options, served=answered, **kw)
+        request = self.session.submit(questions, options, **kw)
+        request.on_answer(answered)
+        return request
 
     def ask(self, question: str, options: Any = None, on_text: Callable[[str], None] | None = None, history: Any = ()):
         """One question (after the conversation `history`, if any), read here."""

@@ -60,10 +60,11 @@ class Request:
     early (an exception in the reader, a break) cancels; cancelling a finished request does nothing."""
 
     def __init__(self, engine: Any, session: Any, texts: Sequence[str], options: Any, *, history: Sequence[Any],
-                 limit: int, check: bool, prompts: Sequence[list[int]] | None, served: Callable[[int, Any], None] | None):
+                 limit: int, check: bool, prompts: Sequence[list[int]] | None):
         self.engine, self.session, self.limit = engine, session, limit
         self._texts, self._options, self._history, self._check, self._prompts = texts, options, history, check, prompts
-        self._start, self._served = session.clock(), served  # the answers' timings count from here
+        self._start = session.clock()  # the answers' timings count from here
+        self._served: Callable[[int, Any], None] | None = None  # on_answer's
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = list(enumerate(texts))
         self._mine: dict[int, Any] = {}  # row index -> its decoding.questions.Question
@@ -74,6 +75,11 @@ class Request:
         except BaseException:
             self.finished = True  # Engine.submit uncounts it
             raise
+
+    def on_answer(self, fn: Callable[[int, Any], None]) -> None:
+        """fn(i, answer) as each answer completes, in the reader's thread, before its event (a warm server counts
+        the answers it served so); set before reading."""
+        self._served = fn
 
     def put(self, kind: str, index: int, value: Any) -> None:
         """From the engine thread: a row's outcome ("done" with the row, or "error")."""

@@ -122,18 +122,16 @@ class Engine:
             t.done.set()
 
     def submit(self, session: Any, texts: Sequence[str], options: Any, *, history: Sequence[Any] = (),
-               limit: int | None = None, check: bool = False, prompts: Sequence[list[int]] | None = None,
-               served: Callable[[int, Any], None] | None = None) -> Request:
+               limit: int | None = None, check: bool = False, prompts: Sequence[list[int]] | None = None) -> Request:
         """Ask `texts` on the session's document, at most `limit` of them decoding at once (default: the width),
         each after `history`; returns the Request to read their events from (its first rows are in already).
         EngineBusy when the engine's queue is full (max_queue). prompts: the questions' prompt ids when already
-        tokenized (Session.check_prompt); served(i, answer): called as each answer completes, before its event
-        (the warm server's account)."""
+        tokenized (Session.check_prompt)."""
         limit = max(1, min(limit or self.width or DEFAULT_WIDTH, self.width or limit or DEFAULT_WIDTH))
         self.attach(session)
         try:
             return Request(self, session, texts, options, history=history, limit=limit, check=check,
-                           prompts=prompts, served=served)
+                           prompts=prompts)
         except BaseException:
             self.detach(session)
             raise

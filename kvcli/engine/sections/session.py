@@ -116,11 +116,10 @@ class SectionedSession:
         return ids, prompt_room(self.lm, ids, options or GenerationOptions())
 
     def submit(self, questions: Sequence[str], options: Any = None, *, batch_size: int | None = None, check: bool = False,
-               history: Sequence[Any] = (), prompts: Sequence[list[int]] | None = None,
-               served: Callable[[int, Any], None] | None = None) -> "SectionedRequest":
+               history: Sequence[Any] = (), prompts: Sequence[list[int]] | None = None) -> "SectionedRequest":
         if history:
             raise UsageError(f"{self.path}: a sectioned cache makes a prompt per question; a follow-up cannot continue it")
-        return SectionedRequest(self, list(questions), options, check=check, served=served)
+        return SectionedRequest(self, list(questions), options, check=check)
 
     def ask(self, question: str, options: Any = None, on_text: Callable[[str], None] | None = None, *,
             check: bool = False) -> Any:
@@ -148,10 +147,15 @@ class SectionedSession:
 class SectionedRequest:
     """The questions of one submit, each on its own composed prompt, answered in order (Request's result/cancel)."""
 
-    def __init__(self, owner: SectionedSession, questions: list[str], options: Any, *, check: bool, served=None):
-        self.owner, self.questions, self.options, self.check, self.served = owner, questions, options, check, served
+    def __init__(self, owner: SectionedSession, questions: list[str], options: Any, *, check: bool):
+        self.owner, self.questions, self.options, self.check = owner, questions, options, check
+        self.served: Callable[[int, Any], None] | None = None  # on_answer's
         self._current = None
         self._cancelled = False
+
+    def on_answer(self, fn: Callable[[int, Any], None]) -> None:
+        """fn(i, answer) as each answer completes (Request.on_answer), before the reader's own callback."""
+        self.served = fn
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -176,8 +180,9 @@ class SectionedRequest:
                 raise Cancelled("the asker left")
             session, plan = self.owner.session_for(q)
             ids, _room = session.check_prompt(q, (), self.options)
-            served = (lambda _j, a, i=i: self.served(i, a)) if self.served else None
-            self._current = session.submit([q], self.options, check=self.check, prompts=[ids], served=served)
+            self._current = session.submit([q], self.options, check=self.check, prompts=[ids])
+            if self.served:
+                self._current.on_answer(lambda _j, a, i=i: self.served(i, a))
 
             def finished(_j: int, a: Any, i: int = i, plan: Plan = plan) -> None:
                 a.sources, a.document_share = plan.sources(m), plan.share(m)
