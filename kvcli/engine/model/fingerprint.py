@@ -12,9 +12,11 @@ from ...format.identity import (WEIGHTS_SCHEME, config_sha256, sha256_json, temp
                                 tokenizer_sha256, weights_sha256 as hash_weights)
 
 
-def fingerprint(model: Any, tokenizer: Any, files: Sequence[Path] = (), memo: Path | None = None) -> dict[str, Any]:
+def fingerprint(model: Any, tokenizer: Any, files: Sequence[Path] = (), memo: Path | None = None,
+                weights: str | None = None) -> dict[str, Any]:
     """What must match between the model that built a cache and the one that reads it (files, memo: where the
-    weights were read from and where their fingerprint is remembered, see weights_sha256)."""
+    weights were read from and where their fingerprint is remembered, see weights_sha256; weights: that fingerprint,
+    when it was computed as the weights were read)."""
     from ...format.codec import dtype_name
 
     config = model.config
@@ -23,7 +25,7 @@ def fingerprint(model: Any, tokenizer: Any, files: Sequence[Path] = (), memo: Pa
         "name": getattr(config, "_name_or_path", "") or config.model_type,
         "model_type": config.model_type,
         "config_sha256": config_sha256(config),
-        "weights_sha256": weights_sha256(model, files, memo),
+        "weights_sha256": weights_sha256(model, files, memo, weights),
         "weights_scheme": WEIGHTS_SCHEME,
         "tokenizer_sha256": tokenizer_sha256(tokenizer),
         "chat_template_sha256": template_sha256(template),
@@ -52,16 +54,15 @@ def shape(config: Any) -> dict[str, Any]:
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
-def weights_sha256(model: Any, files: Sequence[Path] = (), memo: Path | None = None) -> str:
+def weights_sha256(model: Any, files: Sequence[Path] = (), memo: Path | None = None, known: str | None = None) -> str:
     """sha256 over every element of every weight, as bfloat16 (so the dtype a model is loaded in, checked
     separately, does not change it, and --convert-dtype can match), with each tensor's name and shape: an edit
     of any weight changes it. `files`: the model files the weights were read from; the value is remembered
     in the folder `memo` ($KVCLI_HOME/fingerprints) by their identity (path, size, mtime, inode), so loading
     the same files again costs a stat per file, not a pass over the weights."""
+    compute = (lambda: known) if known is not None else (lambda: _hash_every_weight(model))
     key = _files_key(files) if memo is not None else None
-    if key is None:
-        return _hash_every_weight(model)
-    return remembered_digest(memo / key, lambda: _hash_every_weight(model))
+    return compute() if key is None else remembered_digest(memo / key, compute)
 
 
 def _hash_every_weight(model: Any) -> str:

@@ -57,3 +57,38 @@ def check_fits(path: Path, mode: str, dtype: str, free: Callable[[], int] | None
     if mode != "gguf" and small <= have:
         raise ModelTooLargeError(message, hint=f"--weights gguf runs it in about {_gb(small)}")
     raise ModelTooLargeError(message, hint="free memory, or use a smaller or lower-bit GGUF file")
+
+
+def folder_needed(shapes: dict[str, tuple[str, list[int]]], mode: str, per: int) -> int:
+    """Bytes a safetensors model (tensor name -> (dtype, shape)) needs in `mode` at `per` bytes a float weight: every
+    tensor as float, or (q8, q4) its linear weights quantized as they load (quantize_load) and the rest as float."""
+    total = 0
+    for name, (_, shape) in shapes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        linear = len(shape) == 2 and name.endswith(".weight") and "embed" not in name and "wte" not in name
+        if mode == "q8" and linear:
+            total += n + 2 * shape[0]  # int8 codes, a bfloat16 scale a row
+        elif mode == "q4" and linear:
+            total += 2 * n if "lm_head" in name else n // 2 + n // 8  # the output layer in bfloat16; codes, scale+zero
+        else:
+            total += n * per
+    return int(total * SLACK) + RUNTIME
+
+
+def check_folder_fits(folder: Path, shapes: dict[str, tuple[str, list[int]]], mode: str, per: int,
+                      free: Callable[[], int] | None = None) -> None:
+    """Refuse (ModelTooLargeError) a folder or hub model that needs more than `free()` bytes in `mode`, naming the size
+    it needs and the mode that fits, if one does."""
+    have = (free or available)()
+    need = folder_needed(shapes, mode, per)
+    if need <= have:
+        return
+    what = f"--weights {mode}" + (" (float weights)" if mode == "float" else " (quantized as it loads)")
+    message = f"{folder}: the model needs about {_gb(need)} of memory as {what}, and {_gb(have)} is free"
+    fits = next((m for m in ("q8", "q4") if m != mode and folder_needed(shapes, m, per) <= have
+                 and (mode == "float" or m == "q4")), None)
+    if fits:
+        raise ModelTooLargeError(message, hint=f"--weights {fits} runs it in about {_gb(folder_needed(shapes, fits, per))}")
+    raise ModelTooLargeError(message, hint="free memory, or use a smaller model")

@@ -341,16 +341,24 @@ def load(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = _from_pretrained(source, AutoTokenizer, where, trust_remote_code=trust_remote_code, **args)
-    lm = _from_pretrained(source, AutoModelForCausalLM, where, dtype=torch_dtype, trust_remote_code=trust_remote_code, **args)
+    files = _weight_files(source, where)
+    streamed = None  # a folder or hub model on the CPU: refused if it won't fit; q8/q4 quantized layer by layer as read
+    if source["kind"] in ("folder", "hub") and dev == "cpu":
+        from . import quantize_load
+
+        streamed = quantize_load.load_files(files, config, torch_dtype, mode, trust_remote_code, available)
+    lm = streamed[0] if streamed else _from_pretrained(source, AutoModelForCausalLM, where, dtype=torch_dtype,
+                                                       trust_remote_code=trust_remote_code, **args)
     lm.to(dev).eval()
     attention.select(lm)
     if source["kind"] == "hub":
         source["revision"] = getattr(lm.config, "_commit_hash", None) or source.get("revision")
-    fp = fingerprint(lm, tok, _weight_files(source, where), kvcli_home() / "fingerprints")  # of the weights as read
+    fp = fingerprint(lm, tok, files, kvcli_home() / "fingerprints", streamed[1] if streamed else None)  # of the weights as read
     if mode != "float":  # recorded: a cache of this arithmetic is refused by the other
         gguf = source["kind"] in ("default", "gguf")  # q4 then runs the file's own 4-bit codes
         path, folder = (Path(source["path"]), gguf_folders(source["sha256"])[0]) if gguf else (None, None)
-        stored.use(lm, mode, path, folder)
+        if streamed is None:
+            stored.use(lm, mode, path, folder)
         source["weights"] = fp["weights"] = mode
     linear.use_split_linears(lm)
     page_in(lm)
