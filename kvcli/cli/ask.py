@@ -11,7 +11,7 @@ from . import served
 from ..errors import UsageError
 from ..generation import DEFAULT_BATCH, DEFAULT_MAX_NEW_TOKENS, DEFAULT_STOP_LOOPS
 from .output import Output
-from .rendering import AskRenderer
+from .rendering import AskRenderer, Look
 from .app import command
 from .common import gather_questions, local_opener, read_answer_json, shown
 from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, IdsOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
@@ -73,7 +73,7 @@ def ask(
                          follow_up_name=str(follow_up), sections=how)
     if check and server:
         raise UsageError("--check recomputes every prompt in this process: it cannot go through a server (drop --server)")
-    look = {"json_out": json_out, "null": null, "ids": ids}  # how the answers are rendered (formats: from the records)
+    look = Look(json_out=json_out, null=null, ids=ids)  # how the answers are rendered (formats: from the records)
     return _ask(out, request, server=server, look=look)
 
 
@@ -95,7 +95,7 @@ def _sections(cache: list[str], *, blend: bool, recompute: Optional[float], sect
     return Sections(count=sections, every=every, recompute=SECTION_RECOMPUTE if recompute is None else recompute)
 
 
-def _ask(out: Output, request, *, server: Optional[bool], look: dict) -> int:
+def _ask(out: Output, request, *, server: Optional[bool], look: Look) -> int:
     """Through a running `kvcli serve` (which answers without this process importing torch), else in-process."""
     from ..remote import is_url
 
@@ -103,7 +103,7 @@ def _ask(out: Output, request, *, server: Optional[bool], look: dict) -> int:
     if server is not False and not request.check and request.sections is None and not any(is_url(c) for c in caches):
         names = [" + ".join(caches)] if request.blend else list(caches)
         render = AskRenderer(out, names, questions=len(request.questions), served=True,
-                             max_new_tokens=request.options.max_new_tokens, **look)
+                             max_new_tokens=request.options.max_new_tokens, look=look)
         code = served.run(out, server, request, [*(str(Path(c)) for c in caches), request.model.source], render=render)
         if code is not None:
             return code
@@ -112,7 +112,7 @@ def _ask(out: Output, request, *, server: Optional[bool], look: dict) -> int:
 
     pool = an.ModelPool(request.model, progress=out.note)
     names = [" + ".join(shown(c) for c in caches)] if request.blend else [shown(c) for c in caches]
-    render = AskRenderer(out, names, questions=len(request.questions), max_new_tokens=request.options.max_new_tokens, **look)
+    render = AskRenderer(out, names, questions=len(request.questions), max_new_tokens=request.options.max_new_tokens, look=look)
     try:
         return ask_events(request, local_opener(out, pool), emit=render, shown=shown)
     finally:

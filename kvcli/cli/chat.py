@@ -16,7 +16,7 @@ from . import served
 from ..errors import PromptTooLongError, UsageError
 from ..generation import DEFAULT_MAX_NEW_TOKENS, DEFAULT_STOP_LOOPS
 from .output import Output, is_terminal
-from .rendering import AskRenderer, positions_ran_out
+from .rendering import AskRenderer, Look, positions_ran_out
 from .app import command
 from .common import cache_formats, local_opener, read_answer_json, shown
 from .options import (CacheDtypeOpt, CacheModelOpt, ConvertDtypeOpt, DeviceOpt, FollowUpOpt, IdsOpt, JsonOpt, NoRepeatNgramOpt, QuietOpt,
@@ -69,9 +69,9 @@ def _chat(out: Output, first, *, server, json_out: bool, ids: bool) -> int:
 
     cache = first.caches[0]
     through = server is not False and not is_url(cache) and served.answers(out, server)  # the turns go through the running server
-    render = AskRenderer(out, [shown(cache)], questions=1, json_out=json_out, max_new_tokens=first.options.max_new_tokens,
-                         served=through, labelled=not is_terminal(sys.stdin), formats=cache_formats(out, [cache]), ids=ids,
-                         once=set())  # once: the cache's warnings once per chat
+    look = Look(json_out=json_out, labelled=not is_terminal(sys.stdin), ids=ids, formats=tuple(cache_formats(out, [cache])))
+    render = AskRenderer(out, [shown(cache)], questions=1, look=look, max_new_tokens=first.options.max_new_tokens,
+                         served=through, once=set())  # once: the cache's warnings once per chat
     turn = _served_turn(out, render) if through else _local_turn(out, render, first)
     history = None  # [[question, answer], ...] once a turn has answered
     while (line := out.read_line("> ")) is not None:

@@ -6,6 +6,7 @@ Imports nothing heavy: the served client renders with it too, and must start fas
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..events import AnswerOut, Begin, CheckOut, Event, ItemError, Note, Prefilled, Progress, TextOut, Warn
@@ -74,23 +75,33 @@ def sources_line(a: dict[str, Any]) -> str:
     return f"[sources: {'; '.join(cited)}" + (f" ({share:.0%} of the document)]" if share is not None else "]")
 
 
+@dataclass(frozen=True)
+class Look:
+    """How answers are printed: JSON lines (--json), NUL-ended (-0), every answer named (labelled: a chat reading
+    its questions from a pipe), every prompt id (--ids), each cache's document format (None: from the records)."""
+
+    json_out: bool = False
+    null: bool = False
+    labelled: bool = False
+    ids: bool = False
+    formats: tuple[str | None, ...] | None = None
+
+
 class AskRenderer:
     """Renders one ask's events: answers on stdout (plain, NUL-ended or JSON lines), the rest on stderr.
 
-    caches: the caches as the user spelled them (JSON lines name those); served: the JSON lines' flag;
-    labelled: name every answer, one question or several (a chat reading its questions from a pipe)."""
+    caches: the caches as the user spelled them (JSON lines name those); served: the JSON lines' flag."""
 
-    def __init__(self, out: Output, caches: Sequence[str], *, questions: int, json_out: bool = False, null: bool = False,
-                 served: bool = False, once: set | None = None, max_new_tokens: int | None = None, labelled: bool = False,
-                 formats: Sequence[str | None] | None = None, ids: bool = False):
-        self.formats = list(formats) if formats is not None else [None] * len(caches)  # each cache's document format
-        self.ids = ids  # --ids: the JSON lines carry every prompt id, not only their digest
+    def __init__(self, out: Output, caches: Sequence[str], *, questions: int, look: Look = Look(), served: bool = False,
+                 once: set | None = None, max_new_tokens: int | None = None):
+        self.formats = list(look.formats) if look.formats is not None else [None] * len(caches)  # each cache's document format
+        self.ids = look.ids  # --ids: the JSON lines carry every prompt id, not only their digest
         self.once = once  # warnings already shown (a chat: its cache's warnings once, not at every turn)
         self.max_new_tokens = max_new_tokens
-        self.out, self.caches, self.json_out, self.null, self.served = out, list(caches), json_out, null, served
+        self.out, self.caches, self.json_out, self.null, self.served = out, list(caches), look.json_out, look.null, served
         # headings (terminal) or separator lines (pipe, file) name each of several plain answers; -0 and --json need none
-        self.multiple = len(self.caches) * questions > 1 or labelled
-        self.several = self.multiple and not json_out and not null
+        self.multiple = len(self.caches) * questions > 1 or look.labelled
+        self.several = self.multiple and not look.json_out and not look.null
         self.answers: list[dict[str, Any]] = []
         self._labels: dict[int, str] = {}  # cache index -> the question now answered there
         self._separated = 0
