@@ -277,17 +277,21 @@ def _listen(host: str, port: int) -> socket.socket:
         raise KvcliError(f"--http {host}:{port}: cannot listen ({exc.strerror or exc})") from None
 
 
-def _server(provider: Provider, sock: socket.socket, api_key: str | None, max_queue: int, **limits):
+def _bound(host: str, port: int, provider: Provider | None, docs: Sequence[str], *, api_key: str | None = None,
+           allow_hosts: Sequence[str] = (), allow_origins: Sequence[str] = (), **app_options):
+    """(the uvicorn server, its bound socket): every name checked (a usage error) before binding."""
+    check_bind(host, api_key)
+    allowed_hosts(host, allow_hosts), check_origins(allow_origins)
+    sock = _listen(host, port)
     require_extra()
     import uvicorn
 
-    host, port = sock.getsockname()[:2]
-    hosts = allowed_hosts(host, limits.pop("allow_hosts", ()))
-    origins = check_origins(limits.pop("allow_origins", ()))
-    app = create_app(provider, api_key=api_key, max_queue=max_queue, hosts=hosts, origins=origins, **limits)
-    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="off",
+    bound_host, bound_port = sock.getsockname()[:2]
+    app = create_app(provider or DocsProvider(docs), api_key=api_key, hosts=allowed_hosts(bound_host, allow_hosts),
+                     origins=check_origins(allow_origins), **app_options)
+    config = uvicorn.Config(app, host=bound_host, port=bound_port, log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
+    return uvicorn.Server(config), sock
 
 
 class Running:
@@ -307,16 +311,12 @@ class Running:
         self.thread.join(timeout)
         self.server.config.app.state.workers.shutdown(wait=False)  # its idle answer threads end
 
-def start(host: str, port: int, *, provider: Provider | None = None, docs: Sequence[str] = (), api_key: str | None = None,
-          max_queue: int = DEFAULT_MAX_QUEUE, ready_timeout: float = 30.0, allow_hosts: Sequence[str] = (),
-          allow_origins: Sequence[str] = (), max_body: int = DEFAULT_MAX_BODY, max_tokens: int = DEFAULT_MAX_TOKENS) -> Running:
-    """Serve in a daemon thread; returns once it accepts connections (port 0 picks a free port).
-    allow_hosts/allow_origins/max_body/max_tokens: see create_app and allowed_hosts."""
-    check_bind(host, api_key)
-    allowed_hosts(host, allow_hosts), check_origins(allow_origins)  # a bad name is a usage error before binding
-    sock = _listen(host, port)
-    server = _server(provider or DocsProvider(docs), sock, api_key, max_queue, allow_hosts=allow_hosts,
-                     allow_origins=allow_origins, max_body=max_body, max_tokens=max_tokens)
+
+def start(host: str, port: int, *, provider: Provider | None = None, docs: Sequence[str] = (), ready_timeout: float = 30.0,
+          **options) -> Running:
+    """Serve in a daemon thread; returns once it accepts connections (port 0 picks a free port). options: create_app's
+    (api_key, max_queue, max_body, max_tokens) and allow_hosts/allow_origins (allowed_hosts, check_origins)."""
+    server, sock = _bound(host, port, provider, docs, **options)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvcli-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + ready_timeout
@@ -328,12 +328,7 @@ def start(host: str, port: int, *, provider: Provider | None = None, docs: Seque
     return Running(server, sock, thread)
 
 
-def run(host: str, port: int, *, provider: Provider | None = None, docs: Sequence[str] = (), api_key: str | None = None,
-        max_queue: int = DEFAULT_MAX_QUEUE, allow_hosts: Sequence[str] = (), allow_origins: Sequence[str] = (),
-        max_body: int = DEFAULT_MAX_BODY, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
-    """Serve in the foreground until Ctrl-C or SIGTERM (in-flight answers end first, up to 5 s)."""
-    check_bind(host, api_key)
-    allowed_hosts(host, allow_hosts), check_origins(allow_origins)
-    sock = _listen(host, port)
-    _server(provider or DocsProvider(docs), sock, api_key, max_queue, allow_hosts=allow_hosts, allow_origins=allow_origins,
-            max_body=max_body, max_tokens=max_tokens).run(sockets=[sock])
+def run(host: str, port: int, *, provider: Provider | None = None, docs: Sequence[str] = (), **options) -> None:
+    """Serve in the foreground until Ctrl-C or SIGTERM (in-flight answers end first, up to 5 s); options as start's."""
+    server, sock = _bound(host, port, provider, docs, **options)
+    server.run(sockets=[sock])
