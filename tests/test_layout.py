@@ -115,6 +115,19 @@ def test_the_model_layer_imports_no_scheduling():
     assert up == []
 
 
+RUNTIME = ("kvcli.engine.model", "kvcli.engine.cache", "kvcli.engine.decoding", "kvcli.engine.scheduling",
+           "kvcli.engine.prompt")
+SERVICES = ("kvcli.engine.corpus", "kvcli.engine.placement", "kvcli.engine.counting")
+
+
+def test_the_runtime_imports_none_of_the_services_over_it():
+    """Models, caches, decoding and scheduling know nothing of corpus runs (Slurm shares, object stores) or counting."""
+    mods = _modules()
+    up = sorted(f"{name} imports {m}" for name, path in mods.items() if name.startswith(RUNTIME)
+                for m in _imports(name, path, mods) if m.startswith(SERVICES))
+    assert up == []
+
+
 def test_no_module_above_the_limit():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
