@@ -8,7 +8,9 @@ version this reader does not know, a header or tensor data cut short) is a Model
 
 from __future__ import annotations
 
+import functools
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,8 +118,23 @@ class _Cursor:
 
 
 def read_header(path: Path) -> Header:
-    """The header of the GGUF file at `path` (ModelError when it is not a whole GGUF file)."""
+    """The header of the GGUF file at `path` (ModelError when it is not a whole GGUF file), parsed once per process
+    for a file of the same identity (path, size, mtime, inode): checking the file, its config and its tensors read
+    one parse."""
     path = Path(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return _read(path)  # says what is wrong with the path
+    return _read_once(str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_once(path: str, size: int, mtime_ns: int, inode: int) -> Header:
+    return _read(Path(path))
+
+
+def _read(path: Path) -> Header:
     try:
         with open(path, "rb") as f:
             size = f.seek(0, 2)
