@@ -245,9 +245,6 @@ def _open_base(lm: LoadedModel, after: str | os.PathLike, asked: fr.Framing):
     opened = store.open_cache(after)
     try:
         fit.check_fits(opened.manifest, lm, str(after))
-        if opened.manifest.sections is not None:
-            raise UsageError(f"{after}: is a sectioned cache (a document longer than the window), whose questions each "
-                             "compose their own prompt; --after extends only a cache of one prompt")
         if opened.manifest.quant is not None:
             raise CacheMismatchError(f"{after}: is stored {opened.manifest.storage} (lossy); a cache extends only a "
                                      "lossless one, so that its own keys/values are those of the whole prompt")

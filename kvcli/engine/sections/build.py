@@ -22,7 +22,7 @@ from typing import Any
 from ... import __version__
 from ...documents import Document
 from ...errors import BlendError, CacheError, DocumentError, ModelError, UsageError
-from ...format import manifest as mf, sections as sec, writing
+from ...format import manifest as mf, sections as sec, store, writing
 from ..prompt import framing as fr
 from . import cutting
 
@@ -88,6 +88,9 @@ def prefill(lm: Any, document: Document, out: str | os.PathLike, *, window: int 
     if options.get("after") is not None and window is not None:
         raise UsageError("--window cuts a document prefilled alone into sections; a document extending a cache (--after) "
                          "is not cut: drop one of them")
+    if options.get("after") is not None and store.read_manifest(options["after"], chain=False).sections is not None:
+        raise UsageError(f"{options['after']}: is a sectioned cache (a document longer than the window), whose questions "
+                         "each compose their own prompt; --after extends only a cache of one prompt")
     if options.get("after") is None:
         asked = fr.choose(lm.tokenizer, options.get("framing", "auto"), options.get("system"))
         split = options.get("split") or fr.split_document(lm.tokenizer, asked, document.text)
