@@ -148,6 +148,16 @@ def test_stop_as_a_string_is_one_stop(server):
         oa.parse_chat(_chat(stop=["a", ""]))
 
 
+def test_not_a_number_is_400_naming_the_field(server):
+    """NaN and Infinity (Python's json reads them) in a number field: a 400 naming it, never a 500."""
+    for field, extra in (("recompute", {"documents": ["licence.kv", "licence.kv"]}), ("temperature", {}), ("top_p", {})):
+        for value in ("NaN", "Infinity", "-Infinity"):
+            body = json.dumps(_chat(**extra))[:-1] + f', "{field}": {value}}}'
+            r = httpx.post(server.base_url + "/chat/completions", content=body, headers={"Content-Type": "application/json"}, timeout=60)
+            assert r.status_code == 400 and _is_openai_error(r), (field, value, r.text)
+            assert r.json()["error"]["param"] == field, (field, value, r.text)
+
+
 def test_no_server_paths_in_models_or_errors(server, folder, tmp_path):
     base = server.base_url
     r = httpx.get(base + "/models", timeout=30)

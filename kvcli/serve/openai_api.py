@@ -63,7 +63,7 @@ def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = Fals
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value > hi or value < lo or (lo_open and value == lo):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi or (lo_open and value == lo):  # NaN too
         raise _bad(name, f"must be a number {'above' if lo_open else 'from'} {lo:g} {'up to' if lo_open else 'to'} {hi:g}")
     return float(value)
 
