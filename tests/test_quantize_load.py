@@ -82,6 +82,8 @@ def test_a_checkpoint_with_other_names_loads_the_float_way(folders, tmp_path):
     save_file({k.replace("model.", "model.x.", 1) if "norm" in k else k: v for k, v in tensors.items()}, folder / "model.safetensors")
     config = kvcli.load(str(folders["tied"])).model.config
     assert quantize_load.load(config, torch.float32, [folder / "model.safetensors"], "q8") is None
+    config.quantization_config = {"quant_method": "fp8"}  # stored quantized: transformers' quantizer's to read
+    assert quantize_load.load(config, torch.float32, quantize_load.safetensors_files(folders["tied"]), "q8") is None
 
 
 PEAK = r"""

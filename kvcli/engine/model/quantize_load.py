@@ -110,6 +110,8 @@ def load(config: Any, dtype: torch.dtype, files: list[Path], mode: str, trust_re
     from ...format.identity import WEIGHTS_SCHEME
     from .gguf_weights import skeleton
 
+    if getattr(config, "quantization_config", None) is not None:
+        return None  # a checkpoint stored quantized: transformers' quantizer reads it
     model = skeleton(config, dtype, trust_remote_code)
     if getattr(model, "_keep_in_fp32_modules", None) or any(
             any(True for _ in m.parameters(recurse=False)) and any(b.is_meta for b in m.buffers(recurse=False))
