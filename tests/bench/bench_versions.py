@@ -1,10 +1,10 @@
 """Benchmark (not part of the test run): this checkout against another kvcli checkout, side by side in one run.
 
     git worktree add /tmp/kvcli-0.2 35127f5            # kvcli 0.2 (the last commit before the one engine)
-    python tests/bench/bench_versions.py --other /tmp/kvcli-0.2 [--rounds 2] [--json]
+    python tests/bench/bench_versions.py --other /tmp/kvcli-0.2 [--other-python VENV/bin/python] [--rounds 2] [--json]
 
-Both trees run in this interpreter's environment (PYTHONPATH points at each tree in turn), in fresh
-processes, alternating rounds so that machine noise falls on both alike. Each process loads the
+Both trees run in this interpreter's environment, or the other in --other-python's (PYTHONPATH points at each
+tree in turn), in fresh processes, alternating rounds so that machine noise falls on both alike. Each process loads the
 default model, opens the sample document's cache (prefilled once by each version) and measures:
   ttft        Session open (restore) plus the first answer token of one question, in-process
   decode      milliseconds per answer token of that question (64 tokens)
@@ -57,8 +57,8 @@ print(json.dumps(out))
 '''
 
 
-def run(tree: Path, cache: Path, questions: list[str], env: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(cache), json.dumps(questions)], capture_output=True, text=True,
+def run(tree: Path, cache: Path, questions: list[str], env: dict, python: str = sys.executable) -> dict:
+    proc = subprocess.run([python, "-c", PROBE, str(cache), json.dumps(questions)], capture_output=True, text=True,
                           env={**env, "PYTHONPATH": str(tree)}, cwd=tree, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"{tree}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
@@ -68,6 +68,7 @@ def run(tree: Path, cache: Path, questions: list[str], env: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--other", required=True, type=Path, help="the other kvcli checkout (e.g. 0.2)")
+    parser.add_argument("--other-python", default=sys.executable, help="the other checkout's interpreter (its own venv)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -75,15 +76,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvcli-versions-"))
     env = {**os.environ, "KVCLI_SOCKET": str(work / "none.sock")}
     trees = {"other": args.other.resolve(), "here": ROOT}
-    for tree in trees.values():
-        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "kvcli")], check=True)
+    python = {"other": args.other_python, "here": sys.executable}
+    for side, tree in trees.items():
+        subprocess.run([python[side], "-m", "compileall", "-q", str(tree / "kvcli")], check=True)
     for side, tree in trees.items():  # each version reads the caches it writes (0.3 fingerprints every weight)
-        subprocess.run([sys.executable, "-m", "kvcli", "prefill", str(ROOT / "samples" / "document.txt"), "-o",
+        subprocess.run([python[side], "-m", "kvcli", "prefill", str(ROOT / "samples" / "document.txt"), "-o",
                         str(work / f"{side}.kv"), "--no-server", "--quiet"], check=True, env={**env, "PYTHONPATH": str(tree)}, cwd=tree)
     got: dict[str, list[dict]] = {"here": [], "other": []}
     for _ in range(args.rounds):
         for side, tree in trees.items():
-            got[side].append(run(tree, work / f"{side}.kv", questions, env))
+            got[side].append(run(tree, work / f"{side}.kv", questions, env, python[side]))
     keys = ["ttft_s", "decode_ms", "batch8_s", "batch16_s", "serial8_s"]
     med = {side: {k: statistics.median(r[k] for r in rows) for k in keys} for side, rows in got.items()}
     ratio = {k: med["here"][k] / med["other"][k] for k in keys}
