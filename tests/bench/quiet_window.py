@@ -8,10 +8,12 @@ beside one busy process. About 20 minutes on a 2-core machine; nothing else shou
 
 Each pass (quiet, then beside `python -c 'while True: pass'`) runs, each in fresh processes:
 - tests/bench/bench_llamacpp.py on --small-model: kvcli float32, kvcli gguf and llama.cpp; the first load in an
-  empty KVCLI_HOME, a fresh load, kept disk, prefill, restore + first token, decode (medians of the repeats), peak
-  RSS (the process's maxrss, what /usr/bin/time -v reports), and transformers' generate() on each kvcli model;
+  empty KVCLI_HOME (quiet pass only: it is the same one-time work), a fresh load, kept disk, prefill, restore +
+  first token, decode (medians of the repeats), peak RSS (the process's maxrss, what /usr/bin/time -v reports),
+  and transformers' generate() on each kvcli model;
 - the same on --large-model for kvcli gguf and llama.cpp (float32 would not fit);
-- tests/bench/bench_versions.py: this checkout against --old-tree on the default model (0.2 reads no GGUF).
+- tests/bench/bench_versions.py: this checkout against --old-tree on the default model (0.2 reads no GGUF); beside
+  the busy process it is stopped after --versions-cap seconds (0.2's probe ran over 7 minutes there in a trial).
 Every benchmark's JSON and stderr go to --out; the combined Markdown tables go to OUT/tables.md and stdout. --quick
 runs every step on tiny settings (a check of the script, minutes; its figures mean nothing).
 """
@@ -37,11 +39,11 @@ QUICK = {"small": (128, 1, 4, 1), "large": (64, 1, 2, 1), "rounds": 1}
 TARGETS = {"ready": 3.0, "rss": 1.5, "prefill": 0.8, "decode": 1.25}  # the issue's most kvcli gguf / llama.cpp
 
 
-def llamacpp_cmd(model: str, modes: str, sizes: tuple, generate: bool) -> list[str]:
+def llamacpp_cmd(model: str, modes: str, sizes: tuple, generate: bool, first: bool) -> list[str]:
     tokens, questions, new, repeats = sizes
     return [sys.executable, str(HERE / "bench_llamacpp.py"), "--model", model, "--modes", modes, "--tokens", str(tokens),
-            "--questions", str(questions), "--max-new-tokens", str(new), "--repeats", str(repeats), "--first", "--json",
-            *(["--generate"] if generate else [])]
+            "--questions", str(questions), "--max-new-tokens", str(new), "--repeats", str(repeats), "--json",
+            *(["--first"] if first else []), *(["--generate"] if generate else [])]
 
 
 def step(name: str, cmd: list[str], out: Path, timeout: float) -> dict:
@@ -70,13 +72,14 @@ def one_pass(args, sizes: dict, busy: int, out: Path) -> dict:
     tag = "busy" if busy else "quiet"
     got: dict = {"load_before": os.getloadavg()}
     try:
-        got["small"] = step(f"{tag}-small", llamacpp_cmd(args.small_model, "float32,gguf,llamacpp", sizes["small"], True),
+        got["small"] = step(f"{tag}-small", llamacpp_cmd(args.small_model, "float32,gguf,llamacpp", sizes["small"], True,
+                                                         not busy), out, 900)
+        got["large"] = step(f"{tag}-large", llamacpp_cmd(args.large_model, "gguf,llamacpp", sizes["large"], False, not busy),
                             out, 900)
-        got["large"] = step(f"{tag}-large", llamacpp_cmd(args.large_model, "gguf,llamacpp", sizes["large"], False), out, 900)
-        if args.old_tree:
+        if args.old_tree:  # capped beside a busy process: a version whose threads wait on a descheduled one can take long
             got["versions"] = step(f"{tag}-versions", [sys.executable, str(HERE / "bench_versions.py"), "--other", args.old_tree,
                                                        "--other-python", args.old_python, "--rounds", str(sizes["rounds"]),
-                                                       "--json"], out, 900)
+                                                       "--json"], out, args.versions_cap if busy else 900)
     finally:
         for p in loops:
             p.kill()
@@ -112,6 +115,8 @@ def model_rows(r: dict) -> list[tuple[str, dict, str]]:
 
     per_mode("model ready, first run (empty KVCLI_HOME), s", lambda c, m: _get(first, m, "ready_s"), lambda c: _get(c, "ready_s"),
              "{:.2f}")
+    per_mode("peak RSS of that first run, MB", lambda c, m: _get(first, m, "peak_rss_mb"), lambda c: _get(c, "peak_rss_mb"),
+             "{:,.0f}")
     per_mode("model ready, fresh process, s", lambda c, m: _get(c, "ready_s"), lambda c: _get(c, "ready_s"), "{:.2f}")
     per_mode("peak RSS, MB", lambda c, m: _get(c, "peak_rss_mb"), lambda c: _get(c, "peak_rss_mb"), "{:,.0f}")
     per_mode("kept in KVCLI_HOME for the model, MB", lambda c, m: _get(c, "kept_mb"), lambda c: 0.0, "{:,.1f}")
@@ -129,7 +134,8 @@ def model_rows(r: dict) -> list[tuple[str, dict, str]]:
 
 
 RATIO_TARGET = {"model ready, fresh process, s": TARGETS["ready"], "model ready, first run (empty KVCLI_HOME), s": TARGETS["ready"],
-                "peak RSS, MB": TARGETS["rss"], "decode, ms a token": TARGETS["decode"]}
+                "peak RSS, MB": TARGETS["rss"], "peak RSS of that first run, MB": TARGETS["rss"],
+                "decode, ms a token": TARGETS["decode"]}
 
 
 def model_table(title: str, passes: dict, key: str, file_mb: float) -> list[str]:
@@ -143,8 +149,8 @@ def model_table(title: str, passes: dict, key: str, file_mb: float) -> list[str]
         cells = [_fmt(rows[tag][i][1].get(m), fmt) for tag in passes for m in modes]
         for tag in passes:
             v = rows[tag][i][1]
-            g, ll = v.get("gguf"), v.get("llamacpp")
-            cells.append(f"{g / ll:.2f}x" if g is not None and ll else "-")
+            g, ll = v.get("gguf"), (file_mb if name.startswith("kept") else v.get("llamacpp"))
+            cells.append(f"{g / ll:.2f}x" + (" the file" if name.startswith("kept") else "") if g is not None and ll else "-")
         target = RATIO_TARGET.get(name) or (TARGETS["prefill"] if name.startswith("prefill") else None)
         if name.startswith("kept"):
             target_text = "1.3x the file"
@@ -192,7 +198,8 @@ def cpu_name() -> str:
 def render(args, passes: dict, commit: str) -> str:
     size = {k: Path(getattr(args, f"{k}_model")).stat().st_size / 1e6 for k in ("small", "large")}
     out = [f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {cpu_name()}, {os.cpu_count()} cores, kvcli at "
-           f"{commit}, with `python tests/bench/quiet_window.py {' '.join(args.argv)}`. \"quiet\": nothing else running; "
+           f"{commit}, with `python tests/bench/quiet_window.py {' '.join(args.argv)}`. "
+           "\"quiet\": nothing else running (llama.cpp's first run is its fresh run: it keeps nothing); "
            "\"busy\": beside one `python -c 'while True: pass'`. Each figure is one fresh process per mode; restore + "
            "first token and decode are medians of the repeats; peak RSS is the process's maxrss (as /usr/bin/time -v "
            "reports it, mapped file pages included). Load average before/after each pass: "
@@ -213,6 +220,7 @@ def main() -> None:
     ap.add_argument("--old-python", default=sys.executable, help="its venv's python")
     ap.add_argument("--out", default=None, help="folder for every benchmark's JSON and the tables (default: a new temp one)")
     ap.add_argument("--busy", default="0,1", help="busy processes per pass (default 0,1: quiet, then beside one)")
+    ap.add_argument("--versions-cap", type=float, default=240, help="seconds bench_versions may take beside a busy process")
     ap.add_argument("--quick", action="store_true", help="tiny settings: checks the script, its figures mean nothing")
     ap.add_argument("--render", action="store_true", help="only render OUT's JSON again")
     args = ap.parse_args()
@@ -221,14 +229,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     passes: dict = {}
-    if args.render:
-        passes = json.loads((out / "passes.json").read_text())
+    if args.render:  # the run's own command line, not this one
+        record = json.loads((out / "passes.json").read_text())
+        passes, args.argv = record["passes"], record["argv"]
     else:
         sizes = QUICK if args.quick else FULL
         for busy in [int(b) for b in args.busy.split(",")]:
             tag = "busy" if busy else "quiet"
             passes[tag] = one_pass(args, sizes, busy, out)
-            (out / "passes.json").write_text(json.dumps(passes))
+            (out / "passes.json").write_text(json.dumps({"argv": args.argv, "passes": passes}))
     text = render(args, passes, commit)
     (out / "tables.md").write_text(text)
     print(text)
