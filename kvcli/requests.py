@@ -18,6 +18,7 @@ from .errors import UsageError
 from .generation import GenerationOptions, check_options, check_trust
 
 DEFAULT_RECOMPUTE = 0.15  # share of each later blended document recomputed (docs/composing.md, the measured curve)
+SECTION_RECOMPUTE = 0.15  # share of each section recomputed (tests/bench/bench_sections.py measures it)
 
 
 class ProtocolError(Exception):
@@ -78,6 +79,37 @@ class Blend:
 
 
 @dataclass(frozen=True)
+class Sections:
+    """Which sections of a sectioned cache (engine/sections) each question uses: at most `count` of the best, or
+    `every` one; `recompute` of each section recomputed so that it sees the sections before it."""
+
+    count: int | None = None
+    every: bool = False
+    recompute: float = SECTION_RECOMPUTE
+
+    def __post_init__(self) -> None:
+        if self.count is not None and (type(self.count) is not int or self.count < 1):
+            raise UsageError(f"--sections {self.count}: give a whole number of at least 1")
+        if self.count is not None and self.every:
+            raise UsageError("--sections N and --all choose the sections two ways: give one")
+        r = self.recompute
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or math.isnan(r) or not 0.0 <= r <= 1.0:
+            raise UsageError(f"--recompute {r}: give a fraction from 0 (only the glue) to 1 (exact)")
+        object.__setattr__(self, "recompute", float(r))
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Sections:
+        if not isinstance(obj, dict) or set(obj) - {"count", "every", "recompute"}:
+            raise ProtocolError("sections must be an object of count, every and recompute")
+        if not isinstance(obj.get("every", False), bool):
+            raise ProtocolError("sections.every must be true or false")
+        return cls(count=obj.get("count"), every=obj.get("every", False), recompute=obj.get("recompute", SECTION_RECOMPUTE))
+
+
+@dataclass(frozen=True)
 class SessionSpec:
     """One cache (or several blended into one prompt) to open against a model: what `open_session` opens."""
 
@@ -85,12 +117,12 @@ class SessionSpec:
     model: ModelSpec = ModelSpec()
     convert_dtype: bool = False
     blend: Blend | None = None
-    sections: Any = None  # a sectioned cache: which sections each question uses (engine.sections.session.Sections)
+    sections: Sections | None = None  # a sectioned cache: which sections each question uses (None: the defaults)
 
     @property
     def key(self) -> str:
         what = ["blend", list(self.caches), self.blend.recompute] if self.blend else ["cache", self.caches[0]]
-        return json.dumps([*what, self.model.key, self.convert_dtype, repr(self.sections) if self.sections else None])
+        return json.dumps([*what, self.model.key, self.convert_dtype, self.sections.to_wire() if self.sections else None])
 
     @property
     def path(self) -> str | tuple[str, ...]:
@@ -126,7 +158,7 @@ class AskRequest:
     history: tuple[tuple[str, str], ...] = ()
     follow_up: Mapping[str, Any] | None = None
     follow_up_name: str = "--follow-up"
-    sections: Any = None  # a sectioned cache's choice of sections (in process only)
+    sections: Sections | None = None  # a sectioned cache's choice of sections (None: the defaults)
 
     def __post_init__(self) -> None:
         check_caches(self.caches)
@@ -154,6 +186,8 @@ class AskRequest:
                   "stream": self.stream, "batch_size": self.batch_size}
         if self.blend is not None:
             fields["blend"] = self.blend.recompute
+        if self.sections is not None:
+            fields["sections"] = self.sections.to_wire()
         if self.follow_up is not None:
             fields.update(follow_up=dict(self.follow_up), follow_up_name=self.follow_up_name)
         elif self.history:
@@ -179,7 +213,8 @@ class AskRequest:
                    options=GenerationOptions(**check_options(o)), model=ModelSpec.from_wire(req),
                    convert_dtype=bool(req.get("convert_dtype")), blend=None if blend is None else Blend(blend),
                    batch_size=batch_size, stream=bool(req.get("stream", True)), history=_history(req.get("history")),
-                   follow_up=follow_up, follow_up_name=str(req.get("follow_up_name") or "--follow-up"))
+                   follow_up=follow_up, follow_up_name=str(req.get("follow_up_name") or "--follow-up"),
+                   sections=None if req.get("sections") is None else Sections.from_wire(req["sections"]))
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,19 @@
-"""Sectioned caches through every way in: chains (--after), blends, follow-ups and --kv-bits are refused with a
-message saying why, before anything is written."""
+"""Sectioned caches through every way in: the warm socket server (`kvcli ask --server`) and the HTTP endpoint answer
+them as in process, with the same sections, the same answer and the sources (the socket's records, HTTP's `kvcli`
+block, streamed or not); a follow-up is refused there as here. Chains (--after), blends, follow-ups and --kv-bits
+are refused with a message saying why, before anything is written."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from kvcli.errors import UsageError
+from kvcli.requests import AskRequest, Sections
 from tests.conftest import sample_text
 from tests.helpers import assert_clean_error, json_lines, run
+from tests.serve_helpers import ThreadServer, short_dir
 
 Q = "What does the licence say about trademarks?"
 ASK = ("--max-new-tokens", "4", "--json")
@@ -31,6 +38,89 @@ def plain(cached, tiny_model_dir, here):
     made = run("prefill", doc, "-o", cached.parent / "short.kv", "--model", tiny_model_dir, "--no-server")
     assert made.exit_code == 0, made.stderr
     return cached.parent / "short.kv"
+
+
+@pytest.fixture(scope="module")
+def alone(cached, tiny_model_dir):
+    """The in-process answers, to compare each front end with."""
+    out = {}
+    for extra in ((), ("--sections", "1")):
+        result = run("ask", "-c", cached, "--model", tiny_model_dir, Q, *ASK, *extra, "--no-server")
+        assert result.exit_code == 0, result.stderr
+        out[extra] = json_lines(result.stdout)[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ThreadServer(short_dir() / "s.sock")
+    yield srv
+    srv.close()
+
+
+def test_sections_go_on_the_wire():
+    request = AskRequest(caches=("a.kv",), questions=("Q?",), sections=Sections(count=2, recompute=0.3))
+    wire = json.loads(json.dumps(request.to_wire()))
+    assert wire["sections"] == {"count": 2, "every": False, "recompute": 0.3}
+    assert AskRequest.from_wire(wire).sections == request.sections
+    assert AskRequest.from_wire({**wire, "sections": None}).sections is None
+    with pytest.raises(UsageError, match="give one"):
+        AskRequest.from_wire({**wire, "sections": {"count": 2, "every": True}})
+
+
+def test_the_socket_server_answers_a_sectioned_cache(cached, alone, tiny_model_dir, server, monkeypatch):
+    monkeypatch.setenv("KVCLI_SOCKET", str(server.path))
+    for extra, want in alone.items():
+        result = run("ask", "-c", cached, "--model", tiny_model_dir, Q, *ASK, *extra, "--server")
+        assert result.exit_code == 0, result.stderr
+        got = json_lines(result.stdout)[0]
+        assert got["served"] is True and want["served"] is False
+        assert got["sources"] == want["sources"] and got["document_share"] == want["document_share"]
+        assert got["answer_token_ids"] == want["answer_token_ids"] and got["cached_tokens"] == want["cached_tokens"]
+        assert "sections of a document longer than the window" in result.stderr
+    assert len(alone[("--sections", "1")]["sources"]) == 1
+    text = run("ask", "-c", cached, "--model", tiny_model_dir, Q, "--max-new-tokens", "4", "--server")
+    assert text.exit_code == 0 and text.stdout.rstrip("\n").split("\n")[-1].startswith("[sources: lines ")
+    rows = [c for c in server.server.warm.status()["caches"] if c["path"] == str(cached)]
+    from kvcli.format import store
+
+    assert rows and {r["num_tokens"] for r in rows} == {store.read_manifest(cached).document_tokens}
+    assert sum(r["answers"] for r in rows) == 3 and all(r["batch"]["asked"] >= 1 for r in rows)
+
+
+def test_http_answers_a_sectioned_cache_with_its_sources(cached, plain, alone, tiny_model_dir):
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("sse_starlette")
+    httpx = pytest.importorskip("httpx")
+    from kvcli.serve import http
+    from kvcli.serve.docs import DocsProvider
+
+    want = alone[()]
+    srv = http.start("127.0.0.1", 0, provider=DocsProvider([cached.parent], model=str(tiny_model_dir)))
+    try:
+        url = srv.base_url + "/chat/completions"
+        body = {"model": "long.kv", "messages": [{"role": "user", "content": Q}], "max_tokens": 4}
+        got = httpx.post(url, json=body, timeout=120)
+        assert got.status_code == 200, got.text
+        out = got.json()
+        assert out["choices"][0]["message"]["content"] == want["answer"]
+        assert out["kvcli"]["sources"] == want["sources"] and out["kvcli"]["document_share"] == want["document_share"]
+        streamed = httpx.post(url, json={**body, "stream": True}, timeout=120)
+        chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == want["answer"]
+        closing = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert len(closing) == 1 and closing[0]["kvcli"]["sources"] == want["sources"]
+        assert all("kvcli" not in c for c in chunks if c is not closing[0])
+        follow = {**body, "messages": [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "Me."},
+                                       {"role": "user", "content": Q}]}
+        refused = httpx.post(url, json=follow, timeout=120)
+        assert refused.status_code == 400 and "a follow-up cannot continue it" in refused.text
+        blend = {**body, "model": "long.kv", "documents": ["long.kv", "short.kv"]}
+        refused = httpx.post(url, json=blend, timeout=120)
+        assert refused.status_code == 409 and "cannot be blended" in refused.text
+    finally:
+        srv.stop()
 
 
 def test_chains_blends_and_kv_bits_are_refused_saying_why(cached, plain, tiny_model_dir, here):

@@ -88,7 +88,7 @@ def _sections(cache: list[str], *, blend: bool, recompute: Optional[float], sect
                          f"{cache[0]} is not one")
     if not sectioned or blend:
         return None
-    from ..engine.sections.session import DEFAULT_RECOMPUTE as SECTION_RECOMPUTE, Sections
+    from ..requests import SECTION_RECOMPUTE, Sections
 
     if follow_up:
         raise UsageError("--follow-up cannot continue a sectioned cache's prompt (each question makes its own)")
@@ -100,7 +100,7 @@ def _ask(out: Output, request, *, server: Optional[bool], look: Look) -> int:
     from ..remote import is_url
 
     caches = request.caches
-    if server is not False and not request.check and request.sections is None and not any(is_url(c) for c in caches):
+    if server is not False and not request.check and not any(is_url(c) for c in caches):
         names = [" + ".join(caches)] if request.blend else list(caches)
         render = AskRenderer(out, names, questions=len(request.questions), served=True,
                              max_new_tokens=request.options.max_new_tokens, look=look)

@@ -164,7 +164,7 @@ async def chunks(run: Answering, req: oa.ChatRequest, cid: str, release: Callabl
             message = hidden(str(error)) if isinstance(error, KvcliError) else f"internal error ({error.__class__.__name__})"
             yield data(oa.ApiError(500, message, type="server_error").body())
             return
-        yield data(oa.chunk(cid, req.model, finish_reason=record["finish_reason"], text=req.text))
+        yield data(oa.chunk(cid, req.model, finish_reason=record["finish_reason"], text=req.text, kvcli=oa.sources(record)))
         if req.include_usage:
             yield data(oa.chunk(cid, req.model, answer=record, with_choice=False, text=req.text))
         yield {"data": "[DONE]"}

@@ -189,14 +189,23 @@ def completion(cid: str, model: str, answer: dict[str, Any], *, text: bool = Fal
         "choices": [{**choice, "finish_reason": answer["finish_reason"], "logprobs": None}],
         "usage": usage(answer),
         "kvcli": {"ttft_s": answer["ttft_s"], "total_s": answer["total_s"], "processed_tokens": answer["processed_tokens"],
-                  **({"blended": {k: v for k, v in blended.items() if k != "caches"}} if blended else {})},
+                  **({"blended": {k: v for k, v in blended.items() if k != "caches"}} if blended else {}),
+                  **sources(answer)},
     }
 
 
+def sources(answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer record from a sectioned cache: the sections it used (lines, pages, headings, score) and their share of
+    the document, kvcli's own fields; nothing for any other cache."""
+    return {k: answer[k] for k in ("sources", "document_share") if answer.get(k) is not None}
+
+
 def chunk(cid: str, model: str, *, delta: dict[str, Any] | None = None, finish_reason: str | None = None,
-          answer: dict[str, Any] | None = None, with_choice: bool = True, text: bool = False) -> dict[str, Any]:
+          answer: dict[str, Any] | None = None, with_choice: bool = True, text: bool = False,
+          kvcli: dict[str, Any] | None = None) -> dict[str, Any]:
     """One chat.completion.chunk: a content delta, the closing finish_reason, or (choices empty) the usage;
-    text: a legacy text_completion chunk, its delta's content as `text`."""
+    text: a legacy text_completion chunk, its delta's content as `text`; kvcli: kvcli's own fields (the closing
+    chunk's sources)."""
     out: dict[str, Any] = {"id": cid, "object": "text_completion" if text else "chat.completion.chunk", "created": int(time.time()),
                            "model": model, "choices": []}
     if with_choice:
@@ -204,4 +213,6 @@ def chunk(cid: str, model: str, *, delta: dict[str, Any] | None = None, finish_r
         out["choices"] = [{"index": 0, **part, "finish_reason": finish_reason, "logprobs": None}]
     if answer is not None:
         out["usage"] = usage(answer)
+    if kvcli:
+        out["kvcli"] = kvcli
     return out

@@ -11,25 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import UsageError
-from ..prompt import conversation
+from ...requests import SECTION_RECOMPUTE as DEFAULT_RECOMPUTE, Sections  # noqa: F401  (the request value, re-exported)
+from ..prompt import conversation, framing as fr
 from . import compose as cp, select
-
-DEFAULT_RECOMPUTE = 0.15  # share of each section recomputed (docs/performance.md, sectioned caches)
-
-
-@dataclass(frozen=True)
-class Sections:
-    """How a question's sections are chosen: count (at most this many), every (all of them), recompute share."""
-
-    count: int | None = None
-    every: bool = False
-    recompute: float = DEFAULT_RECOMPUTE
-
-    def __post_init__(self):
-        if self.count is not None and self.count < 1:
-            raise UsageError(f"--sections {self.count}: give at least 1")
-        if self.count is not None and self.every:
-            raise UsageError("--sections N and --all choose the sections two ways: give one")
 
 
 @dataclass
@@ -49,7 +33,10 @@ class Plan:
 
 
 class SectionedSession:
-    """Session's interface (check_prompt, submit, ask, ask_many, warnings) over a sectioned cache."""
+    """Session's interface (check_prompt, prompt_ids, submit, ask, ask_many, warnings, nbytes, stats) over a sectioned
+    cache, so that every front end (in process, the warm server, HTTP) answers from it as from any Session."""
+
+    links: tuple = ()  # the caches below it (a chain): a sectioned cache extends none
 
     def __init__(self, lm: Any, opened: Any, how: Sections | None = None, *, session: Any,
                  warnings: Sequence[str] = (), convert_dtype: bool = False):
@@ -81,6 +68,24 @@ class SectionedSession:
         self.load_s = time.perf_counter() - t0
         self._lock = threading.Lock()
         self._plans: dict[str, Plan] = {}
+        self._live: list[Any] = []  # the composed Sessions answering now (their buffers are this session's memory)
+        self.stats = {"asked": 0, "steps": 0, "peak_rows": 0}  # summed over the composed Sessions, as a Session's
+
+    @property
+    def framing(self) -> fr.Framing:
+        """The prompt head's framing (its system prompt), which a conversation's system message is checked against."""
+        return fr.Framing.from_record(self.manifest.framing)
+
+    @property
+    def num_tokens(self) -> int:
+        """The document's tokens (its sections and the separators between them, with the head)."""
+        return self.manifest.document_tokens
+
+    def nbytes(self) -> int:
+        """Memory held now: the composed prompts of the questions being answered (none between questions)."""
+        with self._lock:
+            live = list(self._live)
+        return sum(s.nbytes() for s in live)
 
     @property
     def token_ids(self) -> list[int]:
@@ -105,14 +110,18 @@ class SectionedSession:
             self._plans[question] = plan
         return plan
 
-    def check_prompt(self, question: str, history: Sequence[Any] = (), options: Any = None) -> tuple[list[int], int]:
-        from ..decoding.request import GenerationOptions, prompt_room
-
+    def prompt_ids(self, question: str, history: Sequence[Any] = ()) -> list[int]:
+        """The question's prompt: its sections composed, then the question."""
         if history:
             raise UsageError(f"{self.path}: a sectioned cache makes a prompt per question; a follow-up cannot continue it")
         plan = self.plan(question)
         last = cp.part_framing(self.manifest, self.manifest.sections.parts[plan.choice.chosen[-1]])
-        ids = plan.ids + conversation.appended_ids(self.lm.tokenizer, last, (), question, plan.ids)
+        return plan.ids + conversation.appended_ids(self.lm.tokenizer, last, (), question, plan.ids)
+
+    def check_prompt(self, question: str, history: Sequence[Any] = (), options: Any = None) -> tuple[list[int], int]:
+        from ..decoding.request import GenerationOptions, prompt_room
+
+        ids = self.prompt_ids(question, history)
         return ids, prompt_room(self.lm, ids, options or GenerationOptions())
 
     def submit(self, questions: Sequence[str], options: Any = None, *, batch_size: int | None = None, check: bool = False,
@@ -179,17 +188,26 @@ class SectionedRequest:
             if self._cancelled:
                 raise Cancelled("the asker left")
             session, plan = self.owner.session_for(q)
-            ids, _room = session.check_prompt(q, (), self.options)
-            self._current = session.submit([q], self.options, check=self.check, prompts=[ids])
-            if self.served:
-                self._current.on_answer(lambda _j, a, i=i: self.served(i, a))
+            with self.owner._lock:
+                self.owner._live.append(session)
+            try:
+                ids, _room = session.check_prompt(q, (), self.options)
+                self._current = session.submit([q], self.options, check=self.check, prompts=[ids])
 
-            def finished(_j: int, a: Any, i: int = i, plan: Plan = plan) -> None:
-                a.sources, a.document_share = plan.sources(m), plan.share(m)
-                if on_answer:
-                    on_answer(i, a)
+                def finished(_j: int, a: Any, i: int = i, plan: Plan = plan) -> None:
+                    a.sources, a.document_share = plan.sources(m), plan.share(m)
+                    if self.served:  # before on_answer, as a Session's engine calls it
+                        self.served(i, a)
+                    if on_answer:
+                        on_answer(i, a)
 
-            answers += self._current.result((lambda _j, t, i=i: on_text(i, t)) if on_text else None, finished)
-            self._current = None
+                answers += self._current.result((lambda _j, t, i=i: on_text(i, t)) if on_text else None, finished)
+            finally:
+                self._current = None
+                with self.owner._lock:
+                    self.owner._live.remove(session)
+                    for k in ("asked", "steps"):
+                        self.owner.stats[k] += session.stats[k]
+                    self.owner.stats["peak_rows"] = max(self.owner.stats["peak_rows"], session.stats["peak_rows"])
             del session
         return answers
