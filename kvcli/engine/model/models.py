@@ -189,9 +189,13 @@ def _converted_folder(gguf: Path, sha: str, progress: Progress | None) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = hidden_sibling(folder)
     try:
+        from .gguf_config import read
+
+        found = read(gguf)  # config and tokenizer from the header: transformers then parses the file once, for tensors
         with _quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                         **({"config": found[0]} if found else {}))
+            tok = found[1] if found else AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model.hf_quantizer = None  # the weights are dequantized; let save_pretrained write them
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
