@@ -34,3 +34,18 @@ def identity(path: Path) -> tuple:
     except OSError:
         mid = ()
     return (d.st_dev, d.st_ino, d.st_mtime_ns, *mid)
+
+
+def give_back() -> None:
+    """Return what a model just left behind to the system: collect reference cycles (a model's modules hold some),
+    then glibc's malloc_trim (freed blocks otherwise stay in the process's heap). Nothing without malloc_trim."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)

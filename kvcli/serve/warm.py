@@ -10,15 +10,14 @@ Used by the unix-socket server (server.py) and meant for any other front end (an
     warm.status()                                       # what `kvcli ps` shows
 
 Every question on a model runs through that model's one engine (engine/scheduling/scheduler.py): rows of one
-document decode together, at most `batch_size` at once, joining between steps; documents sharing a
-model are stepped in turn, and a prefill's chunks take turns with those steps. A cache directory
-replaced since it was restored (directory or manifest identity changed) is restored again, never
-answered from the old copy. Entries in use are never evicted; the rest go least recently used first.
-Any number of front ends (the unix socket, HTTP) share one Warm: one LRU, one staleness rule, one
-memory account. The account is the bytes held now, measured (a cache's buffers with their spare room,
-grown by rows decoded one at a time, and the suffix buffers of the batch answering it), not the figure
-taken at restore: it is measured again, and entries not in use evicted to fit, whenever a question
-starts or an answer completes, and whenever a request ends.
+document decode together, at most `batch_size` at once, joining between steps; documents sharing a model are
+stepped in turn, and a prefill's chunks take turns with those steps. A cache directory replaced since it was
+restored (directory or manifest identity changed) is restored again, never answered from the old copy. Entries
+in use are never evicted; the rest go least recently used first, and an evicted model's engine is closed.
+Any number of front ends (the unix socket, HTTP) share one Warm: one LRU, one staleness rule, one memory account:
+the bytes held now, measured (a cache's buffers with their spare room, grown by rows decoded one at a time, and
+the suffix buffers of the batch answering it), not the figure taken at restore; measured again, and entries not
+in use evicted to fit, whenever a question starts, an answer completes or a request ends.
 """
 
 from __future__ import annotations
@@ -357,16 +356,18 @@ class Warm:
         """Drop least recently used entries not in use until the total fits (caller holds the mutex)."""
         limit = self.max_memory if limit is None else limit
         total = sum(e.size() for e in self._entries.values())
+        models = 0
         for key in list(self._entries):
             if total <= limit:
-                return
+                break
             e = self._entries.get(key)
-            if e is None or e.users > 0:
+            if e is None or e.users > 0 or e.kind == "model" and (e.engine.in_use or any(
+                    c.model_key == key and c.users > 0 for c in self._entries.values() if c.kind == "cache")):
                 continue
-            if e.kind == "model" and (e.engine.in_use or any(c.model_key == key and c.users > 0
-                                                             for c in self._entries.values() if c.kind == "cache")):
-                continue
+            models += e.kind == "model"
             total -= self._drop(key)
+        if models:
+            memory.give_back()  # a model's memory back to the system, not kept in this process's heap
 
     def _drop(self, key: str) -> int:
         """Forget an entry (a model takes the caches restored against it along, and closes its engine: its thread
