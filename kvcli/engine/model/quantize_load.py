@@ -218,5 +218,11 @@ _LIBC: Any = None
 def _by_rows(quantize: Any, weight: torch.Tensor, rows: int = 1024) -> tuple[torch.Tensor, ...]:
     """quantize(weight) a slice of rows at a time (its values depend on each row alone): the same tensors, with
     temporaries of a slice's size instead of the weight's."""
-    parts = [quantize(weight[lo:lo + rows]) for lo in range(0, weight.shape[0], rows)]
-    return tuple(torch.cat(p) for p in zip(*parts))
+    out: tuple[torch.Tensor, ...] = ()
+    for lo in range(0, weight.shape[0], rows):
+        part = quantize(weight[lo:lo + rows])
+        if not out:  # each result's rows filled in place: no list of slices to concatenate
+            out = tuple(torch.empty((weight.shape[0], *t.shape[1:]), dtype=t.dtype) for t in part)
+        for whole, t in zip(out, part):
+            whole[lo:lo + t.shape[0]] = t
+    return out
