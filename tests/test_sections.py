@@ -229,7 +229,7 @@ def _sequential(lm, opened, chosen, f):
     with torch.inference_mode():
         for p, glue, start in plans:
             n = p.num_tokens
-            r = 0 if start == len(m.token_ids) and p.position == start else min(n, math.ceil(f * n))
+            r = 0 if start == len(m.token_ids) and (p.position == start or f < 1) else min(n, math.ceil(f * n))
             run_ids = glue + p.token_ids[:r]
             if run_ids:
                 lm.model(input_ids=torch.tensor([run_ids]), cache=cache, use_cache=True)

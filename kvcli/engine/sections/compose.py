@@ -4,7 +4,8 @@ order joined by the separator, as one document.
 The head is restored as stored (exact). Each section's stored keys sit at the positions it was computed at (after
 its primer); they are moved to their place in the prompt by one rotary rotation (engine/cache/blend.py). As a
 blend does, each section's glue and first ceil(f * n) tokens are recomputed so that they see the sections chosen
-before it (the first section of the document, directly after the head, is exact as stored and is not). All the
+before it; the first section composed, right after the head, has none before it and is kept as stored (recomputing
+it would only trade its primer for nothing; at f = 1 it is recomputed, so that the prompt is exact). All the
 recomputed tokens of all sections run in one forward pass at their true positions: the moved keys are put in the
 cache first, and a mask lets each recomputed token see exactly the tokens before it in the prompt (the cache's
 order of slots is not the prompt's; attention depends only on positions and the mask).
@@ -84,7 +85,8 @@ def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: 
     with torch.inference_mode():
         for p, glue, start in plans:
             n = p.num_tokens
-            exact = start == head and p.position == head  # the document's first section, right after the head
+            # the first section composed has no chosen section before it: kept as computed after its primer (below 1)
+            exact = start == head and (p.position == head or recompute < 1)
             r = 0 if exact else min(n, math.ceil(recompute * n))
             run_ids += glue + p.token_ids[:r]
             run_pos += list(range(start - len(glue), start + r))
