@@ -244,11 +244,20 @@ def tiny_cache(tiny_gguf, tmp_path_factory):
 
 def test_check_measures_a_cached_answer_against_the_same_modes_recompute(tiny_cache):
     """Approximate, as every bfloat16 mode (docs/exactness.md): the cut between cache and question shows in the last
-    bits, and a random model's near-ties turn some into other tokens; --check says how close."""
+    bits, and a random model's near-ties turn some into other tokens; --check says how close. One short answer's
+    agreement swings with the thread count (it sets the order of the sums: 67% to 92% over 12 tokens), so the bound
+    is on four answers pooled (83% to 100% each over 24 tokens, 1 and 2 threads)."""
     lm, cache = tiny_cache
-    answer = kvcli.Session(lm, cache).ask(QUESTION, kvcli.GenerationOptions(max_new_tokens=12), check=True)
-    assert answer.check.weights == "gguf" and answer.check.tokens == len(answer.answer_token_ids) > 0
-    assert answer.check.agreement >= 0.75 and answer.check.kl_mean < 0.05, answer.check.describe()
+    session = kvcli.Session(lm, cache)
+    checks = [session.ask(q, kvcli.GenerationOptions(max_new_tokens=24), check=True).check
+              for q in (QUESTION, "What is this document about?", "Can I sell copies?", "Who wrote it?")]
+    for check in checks:
+        assert check.weights == "gguf" and 0 < check.tokens <= 24
+        assert check.agreement == (check.tokens - len(check.divergences)) / check.tokens
+        assert check.first_divergence == (check.divergences[0].position if check.divergences else None)
+    agreement = sum(c.agreement for c in checks) / len(checks)
+    kl = sum(c.kl_mean for c in checks) / len(checks)
+    assert agreement >= 0.75 and kl < 0.05, [c.describe() for c in checks]
 
 
 @pytest.mark.parametrize("damage", ["truncated", "wrong magic", "moved"])
