@@ -262,3 +262,59 @@ def cache_dir(doc_file, tiny_model_dir):
     result = run("prefill", doc_file, "--model", tiny_model_dir)
     assert result.exit_code == 0, result.stderr
     return doc_file.with_suffix(".kv")
+
+
+@pytest.fixture(scope="module")
+def arch(tokenizer, plain_tokenizer, tmp_path_factory):
+    """arch(name): the tiny model of that type (tests/architectures.py), wrapped, with one document prefilled
+    (built once per module)."""
+    from types import SimpleNamespace
+
+    import kvcli
+    from kvcli.documents import decode
+    from kvcli.engine.prefilling import prefill
+    from tests.architectures import ARCHS, CHUNK, DOC_CHARS, build
+
+    built: dict[str, SimpleNamespace] = {}
+
+    def get(name: str) -> SimpleNamespace:
+        if name not in built:
+            tok = plain_tokenizer if ARCHS[name][1] else tokenizer
+            model = build(name, tok)
+            lm = kvcli.from_objects(model, tok, name=f"tiny-{name}")
+            path = tmp_path_factory.mktemp(name) / "doc.kv"
+            doc = decode(sample_text()[:DOC_CHARS].encode(), "licence.txt")
+            result = prefill(lm, doc, path, chunk_size=CHUNK)
+            built[name] = SimpleNamespace(name=name, model=model, tok=tok, lm=lm, path=path, doc=doc,
+                                          manifest=result.manifest, plan=ARCHS[name][2])
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory, tiny_model_dir):
+    """A small cache of the tiny model, prefilled by the CLI: what the fuzz and crafted-cache tests mutate."""
+    from typer.testing import CliRunner
+
+    from kvcli.cli import app
+
+    root = tmp_path_factory.mktemp("fuzz-pristine")
+    doc = root / "doc.txt"
+    doc.write_text(sample_text()[:1200], encoding="utf-8")
+    cache = root / "pristine.kv"
+    r = CliRunner().invoke(app, ["prefill", str(doc), "-o", str(cache), "--model", str(tiny_model_dir)])
+    assert r.exit_code == 0, r.stderr
+    return cache
+
+
+@pytest.fixture(scope="module")
+def pristine_q(pristine, tiny_model_dir, tmp_path_factory):
+    """The same document stored 4-bit with both exact regions (the quantized layout: first and last tokens
+    exact, packed codes, float16 scales), whatever prefill's defaults for them are."""
+    import kvcli
+
+    cache = tmp_path_factory.mktemp("fuzz-pristine-q4") / "pristine-q4.kv"
+    kvcli.prefill(kvcli.load(str(tiny_model_dir)), kvcli.read_document(pristine.parent / "doc.txt"), cache, kv_bits=4,
+                  exact_tokens=4, recent_tokens=16)
+    return cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -12,6 +13,10 @@ from typer.testing import CliRunner
 from kvcli.cli import app
 
 runner = CliRunner()
+
+# the one record every prefill reports (docs/scripting.md)
+PREFILL_RECORD = {"document", "cache", "status", "num_tokens", "compute_s", "write_s", "bytes_raw", "bytes_on_disk", "storage",
+                  "seconds", "computed_tokens", "extended_from", "base", "error", "format", "sections", "served"}
 
 
 def run(*args: str, input: str | None = None, env: dict | None = None):
@@ -80,3 +85,11 @@ def converted_default_model(home) -> Path:
 
     (folder,) = [f for f in (Path(home) / "models").glob("gguf-*") if re.fullmatch(r"gguf-[0-9a-f]{16}", f.name)]
     return folder
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    """Poll `condition` every 5 ms until it holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)

@@ -13,7 +13,7 @@ import kvcli
 from kvcli.engine.model import attention
 from kvcli.engine.cache.kvcache import KVCache
 from tests.conftest import sample_text
-from tests.test_architectures import ARCHS, build
+from tests.architectures import ARCHS, build
 
 
 def _run(model, ids: list[int], split: int):

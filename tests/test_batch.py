@@ -15,7 +15,7 @@ import kvcli
 from kvcli.engine.scheduling import probe
 from kvcli.engine.decoding import batch
 from tests.conftest import TokenCounter
-from tests.test_architectures import ARCHS, arch  # noqa: F401  (the module's tiny-model fixture)
+from tests.architectures import ARCHS
 
 QUESTIONS = (
     "What does the word Licensor mean?",

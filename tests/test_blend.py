@@ -22,7 +22,7 @@ from kvcli.errors import BlendError, CacheMismatchError, UsageError
 from kvcli.format.store import read_manifest
 from tests.conftest import reference_answer, sample_text
 from tests.helpers import assert_clean_error, json_lines, run
-from tests.test_architectures import build
+from tests.architectures import build
 
 SLICES = ((0, 900), (3000, 3900), (6000, 6700))  # three different parts of the sample: ~200 tokens each
 QUESTIONS = ("Who grants the licence?", "What does the second part say about patents?")

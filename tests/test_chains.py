@@ -19,7 +19,7 @@ from kvcli.errors import CacheMismatchError, CacheMissingError
 from kvcli.format import store
 from tests.conftest import TokenCounter, reference_answer, sample_text
 from tests.helpers import assert_clean_error, run
-from tests.test_architectures import ARCHS, build
+from tests.architectures import ARCHS, build
 
 QUESTION = "What does the word Licensor mean?"
 OPTS = kvcli.GenerationOptions(max_new_tokens=8)

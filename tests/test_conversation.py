@@ -17,7 +17,7 @@ from kvcli.engine.prompt import conversation as cv, framing as fr
 from kvcli.engine.prefilling import prefill
 from kvcli.errors import ConversationError, ModelError
 from tests.conftest import TokenCounter, reference_answer, sample_text
-from tests.test_architectures import ARCHS, build
+from tests.architectures import ARCHS, build
 
 MAX_NEW = 8
 OPTS = kvcli.GenerationOptions(max_new_tokens=MAX_NEW)

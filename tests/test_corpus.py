@@ -15,7 +15,7 @@ from kvcli.engine import corpus
 from kvcli.errors import UsageError
 from kvcli.format import store
 from tests.conftest import sample_text
-from tests.helpers import assert_clean_error, json_lines, run
+from tests.helpers import assert_clean_error, json_lines, run, PREFILL_RECORD
 from tests.serve_helpers import kvcli_cmd
 
 
@@ -31,9 +31,6 @@ def docs(tmp_path_factory) -> list[Path]:
     return paths
 
 
-# the one record every prefill reports (docs/scripting.md)
-RECORD = {"document", "cache", "status", "num_tokens", "compute_s", "write_s", "bytes_raw", "bytes_on_disk", "storage", "seconds",
-          "computed_tokens", "extended_from", "base", "error", "format", "sections", "served"}
 
 
 def write_list(path: Path, entries: list) -> Path:
@@ -105,7 +102,7 @@ def test_list_builds_then_skips_without_reading_shards(docs, tiny_model_dir, tmp
     assert first.exit_code == 0, first.stderr
     rows = json_lines(first.stdout)
     assert [r["status"] for r in rows] == ["built"] * 4
-    assert set(rows[0]) == RECORD
+    assert set(rows[0]) == PREFILL_RECORD
     assert all(r["num_tokens"] > 0 and r["seconds"] >= r["compute_s"] > 0 and r["error"] is None and r["served"] is False for r in rows)
     for r in rows:
         assert store.verify(r["cache"]).document["sha256"]
@@ -317,7 +314,7 @@ def test_the_driver_isolates_failures_but_an_asker_leaving_ends_the_run(docs, ti
     records = list(corpus.run(model, jobs, read=documents.read, incremental=False, upfront=True, chunk_size=64))
     assert [(r.index, r.status) for r in records] == [(0, "failed"), (1, "built")] and opened == [1]
     assert "no such file" in records[0].error and isinstance(records[0].exc, Exception)
-    assert set(records[1].to_json()) == RECORD and records[1].num_tokens == store.verify(tmp_path / "d0.kv").num_tokens
+    assert set(records[1].to_json()) == PREFILL_RECORD and records[1].num_tokens == store.verify(tmp_path / "d0.kv").num_tokens
 
     class Gone(Exception):
         pass

@@ -297,7 +297,7 @@ def server(monkeypatch):
 def gpt2_dir(plain_tokenizer, tmp_path_factory):
     """A tiny GPT-2 folder (1,024 learned positions): its keys cannot move, so a longer document cannot be cut into
     sections (engine/sections) and is refused."""
-    from tests.test_architectures import build
+    from tests.architectures import build
 
     folder = tmp_path_factory.mktemp("gpt2")
     build("gpt2", plain_tokenizer).save_pretrained(folder)

@@ -9,7 +9,6 @@ takes turns chunk by chunk with running answers, and closing the engine ends eve
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -17,18 +16,11 @@ import kvcli
 from kvcli.engine.decoding import batch, solo
 from kvcli.engine.scheduling.scheduler import Cancelled, Engine, EngineClosed
 from kvcli.errors import GenerationError
-from tests.test_architectures import arch  # noqa: F401  (the module's tiny-model fixture)
+from tests.helpers import wait_until
 
 QUESTIONS = ("What does the word Licensor mean?", "Who?", "Is the Work provided with any warranty?",
              "When does the patent license terminate?", "What must a redistribution include?")
 OPTS = kvcli.GenerationOptions(max_new_tokens=12)
-
-
-def _wait(condition, timeout=60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def _in_threads(engine: Engine, session, questions, opts=OPTS, **kw) -> dict[int, object]:
@@ -55,7 +47,7 @@ def test_questions_arriving_together_decode_together(arch, name):
     engine = Engine(a.lm, width=8)
     with engine.turn():  # no step runs until every asker has submitted
         results, threads = _in_threads(engine, session, QUESTIONS)
-        _wait(lambda: engine.asked == len(QUESTIONS))
+        wait_until(lambda: engine.asked == len(QUESTIONS))
     for t in threads:
         t.join(timeout=120)
     for i, s in enumerate(alone):
@@ -63,7 +55,7 @@ def test_questions_arriving_together_decode_together(arch, name):
         assert got.answer_token_ids == s.answer_token_ids and got.answer == s.answer, (name, s.question)
         assert got.finish_reason == s.finish_reason and got.processed_tokens == s.processed_tokens
     assert engine.peak_rows == len(QUESTIONS)  # all five decoded in one step
-    _wait(lambda: not engine.busy)
+    wait_until(lambda: not engine.busy)
 
 
 def test_a_question_joins_while_another_decodes(arch):
@@ -95,10 +87,10 @@ def test_a_question_joins_while_another_decodes(arch):
 
     threads = [threading.Thread(target=long_one)]
     threads[0].start()
-    _wait(lambda: steps["n"] == 3)  # the long answer is under way
+    wait_until(lambda: steps["n"] == 3)  # the long answer is under way
     threads.append(threading.Thread(target=short_one))
     threads[1].start()
-    _wait(lambda: engine.asked == 2)
+    wait_until(lambda: engine.asked == 2)
     go.set()
     for t in threads:
         t.join(timeout=120)
@@ -123,7 +115,7 @@ def test_one_asker_many_questions_in_order_and_bounded(arch):
     with engine.turn():  # the first step waits until both of the asker's first questions are in
         t = threading.Thread(target=ask)
         t.start()
-        _wait(lambda: engine.asked == 2)
+        wait_until(lambda: engine.asked == 2)
     t.join(timeout=120)
     got = results["got"]
     assert [g.answer_token_ids for g in got] == [s.answer_token_ids for s in alone]
@@ -139,7 +131,7 @@ def test_an_asker_that_leaves_takes_its_rows_out(arch):
     with pytest.raises(Cancelled):
         request.result(on_text=lambda i, t: request.cancel())
     left_at = engine.steps
-    _wait(lambda: not engine.busy)  # its row left: nothing more to decode
+    wait_until(lambda: not engine.busy)  # its row left: nothing more to decode
     assert engine.steps <= left_at + 1  # within one step of the asker leaving
     again = engine.ask(session, [QUESTIONS[1]], OPTS)[0]
     assert again.answer_token_ids == session.ask(QUESTIONS[1], OPTS).answer_token_ids
@@ -156,7 +148,7 @@ def test_a_callback_that_raises_leaves_too(arch):
     with pytest.raises(BrokenPipeError):
         engine.ask(session, [QUESTIONS[0]], kvcli.GenerationOptions(max_new_tokens=500), on_text=broken)
     left_at = engine.steps
-    _wait(lambda: not engine.busy)
+    wait_until(lambda: not engine.busy)
     assert engine.steps <= left_at + 1
 
 
@@ -176,7 +168,7 @@ def test_a_failing_step_reaches_every_asker_and_the_engine_goes_on(arch, monkeyp
     engine = Engine(a.lm, width=4)
     with engine.turn():
         results, threads = _in_threads(engine, session, QUESTIONS[:3])
-        _wait(lambda: engine.asked == 3)
+        wait_until(lambda: engine.asked == 3)
     for t in threads:
         t.join(timeout=120)
     assert len(results) == 3 and all(isinstance(r, (MemoryError, kvcli.Answer)) for r in results.values()), results
@@ -201,7 +193,7 @@ def test_a_failing_step_one_at_a_time_reaches_the_row_it_was_decoding(arch, monk
     engine = Engine(a.lm, width=4, batched=False)
     with engine.turn():
         results, threads = _in_threads(engine, session, QUESTIONS[:2])
-        _wait(lambda: engine.asked == 2)
+        wait_until(lambda: engine.asked == 2)
     for t in threads:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads)  # the row that was decoding heard the error too
@@ -252,7 +244,7 @@ def test_a_prefill_takes_turns_with_a_running_answer(arch, tmp_path):
     try:
         t = threading.Thread(target=lambda: got.setdefault("a", session.ask(QUESTIONS[0], opts)))
         t.start()
-        _wait(lambda: timeline.count("step") >= 3)
+        wait_until(lambda: timeline.count("step") >= 3)
         prefill(a.lm, decode(sample_text()[:800].encode(), "other.txt"), tmp_path / "other.kv", chunk_size=16)
         t.join(timeout=120)
     finally:
@@ -296,7 +288,7 @@ def test_a_prefill_cuts_its_chunks_while_answers_decode(arch, tmp_path, monkeypa
     opts = kvcli.GenerationOptions(max_new_tokens=200)
     t = threading.Thread(target=lambda: session.ask(QUESTIONS[0], opts))
     t.start()
-    _wait(lambda: engine.decoding)
+    wait_until(lambda: engine.decoding)
     busy = prefilling.prefill(a.lm, doc, tmp_path / "busy.kv", chunk_size=32)
     t.join(timeout=120)
     assert busy.manifest.num_tokens == idle.manifest.num_tokens
@@ -315,7 +307,7 @@ def test_closing_the_engine_ends_every_asker(arch):
     seen: list[str] = []
     results, threads = _in_threads(engine, session, QUESTIONS[:2], kvcli.GenerationOptions(max_new_tokens=500),
                                    on_text=lambda i, t: seen.append(t))
-    _wait(lambda: seen)
+    wait_until(lambda: seen)
     engine.close()
     for t in threads:
         t.join(timeout=60)
@@ -340,7 +332,7 @@ def test_turns_are_granted_in_arrival_order(arch):
     for n in range(5):
         threads.append(threading.Thread(target=waiter, args=(n,)))
         threads[-1].start()
-        _wait(lambda: len(engine._turns) == n + 1, timeout=10)  # each is queued before the next starts
+        wait_until(lambda: len(engine._turns) == n + 1, timeout=10)  # each is queued before the next starts
     first.__exit__(None, None, None)
     for t in threads:
         t.join(timeout=10)

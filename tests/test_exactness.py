@@ -17,7 +17,7 @@ from kvcli.documents import decode
 from kvcli.engine.prompt import framing as fr
 from kvcli.engine.prefilling import prefill
 from tests.conftest import reference_answer, sample_text, tiny_llama
-from tests.test_architectures import ARCHS, _assert_varied, build
+from tests.architectures import ARCHS, assert_varied, build
 
 QUESTIONS = ("What does the word Licensor mean?", "When does the patent license terminate?")
 
@@ -135,7 +135,7 @@ def test_answers_on_a_16k_token_document_are_exact(tokenizer, tmp_path, exactnes
     assert together[0].answer_token_ids == alone.answer_token_ids
     for a in together:
         ref = reference_answer(model, a.prompt_token_ids, 8)
-        _assert_varied(ref)
+        assert_varied(ref)
         assert a.answer_token_ids == ref
     exactness_report.append(f" float32 {name:<12} {len(session.token_ids):,}-token document: {len(together)} answers "
                             f"identical to generate() ({together[0].decoding})")

@@ -138,3 +138,15 @@ def test_the_cli_is_a_package_of_small_command_modules():
     cli = PACKAGE / "cli"
     assert (cli / "__init__.py").is_file() and not (PACKAGE / "cli.py").exists()
     assert len(list(cli.glob("*.py"))) >= 8
+
+
+def test_no_test_module_imports_another():
+    """Shared fixtures live in conftest.py and shared code in helper modules, so a test module runs alone and no
+    fixture reaches a module by import (ruff's F811 stays on for tests)."""
+    found = []
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.name}: {name}" for name in names if name.startswith("tests.test_")]
+    assert not found, found

@@ -19,7 +19,6 @@ import torch
 import kvcli
 from kvcli.engine.model import openmp
 from kvcli.engine.scheduling.scheduler import Engine
-from tests.test_architectures import arch  # noqa: F401  (the module's tiny-model fixture)
 
 TASKS = Path("/proc/self/task")
 needs_pool = pytest.mark.skipif(not TASKS.exists() or not openmp._runtime(),

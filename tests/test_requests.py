@@ -10,8 +10,7 @@ import pytest
 import kvcli
 from kvcli.engine.scheduling.requests import Answered, Cancelled, Done, EngineClosed, Failed, Text
 from kvcli.engine.scheduling.scheduler import Engine
-from tests.test_architectures import arch  # noqa: F401  (the module's tiny-model fixture)
-from tests.test_engine import _wait
+from tests.helpers import wait_until
 
 QUESTIONS = ("What does the word Licensor mean?", "Who?", "Is the Work provided with any warranty?")
 OPTS = kvcli.GenerationOptions(max_new_tokens=10)
@@ -48,7 +47,7 @@ def test_cancel_mid_answer_ends_with_cancelled_and_frees_the_rows(arch):
             request.cancel()  # from the reader's own thread; the engine takes the rows out at its next step
     assert isinstance(seen[-1], Failed) and isinstance(seen[-1].error, Cancelled)
     assert sum(isinstance(e, (Done, Failed)) for e in seen) == 1
-    _wait(lambda: not engine.busy)
+    wait_until(lambda: not engine.busy)
     request.cancel()  # after the end: harmless
     assert list(request) == []  # a finished request yields nothing more
     again = engine.ask(session, [QUESTIONS[1]], OPTS)[0]
@@ -66,7 +65,7 @@ def test_cancel_from_another_thread_and_result_raises_the_one_exception(arch):
     with pytest.raises(Cancelled):
         request.result(on_text=lambda i, t: texts.set())
     canceller.join(timeout=60)
-    _wait(lambda: not engine.busy)
+    wait_until(lambda: not engine.busy)
 
 
 def test_cancel_after_done_changes_nothing(arch):
@@ -86,7 +85,7 @@ def test_leaving_the_with_block_early_cancels(arch):
         for event in request:
             if isinstance(event, Text):
                 break
-    _wait(lambda: not engine.busy)  # its row left without anybody calling cancel()
+    wait_until(lambda: not engine.busy)  # its row left without anybody calling cancel()
 
 
 def test_closing_the_engine_ends_a_waiting_request_with_engine_closed(arch):
@@ -125,6 +124,6 @@ def test_the_engine_admits_up_to_its_queue_and_refuses_the_rest_at_once(arch):
         first.result(), second.result()
         third = engine.submit(session, [QUESTIONS[2]], OPTS).result()[0]
         assert third.answer_token_ids == session.ask(QUESTIONS[2], OPTS).answer_token_ids
-        _wait(lambda: not engine.in_use)  # every request read to its end: nothing holds the engine
+        wait_until(lambda: not engine.in_use)  # every request read to its end: nothing holds the engine
     finally:
         engine.close()

@@ -6,9 +6,7 @@ same checks run on the real copy stream."""
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
 
 import pytest
 import torch
@@ -20,61 +18,7 @@ from kvcli.engine.prefilling import prefill
 from kvcli.errors import CacheCorruptError
 from kvcli.format import store
 from tests.conftest import sample_text
-
-
-class FakeLink:
-    """A transfer.Link whose 'device' is the CPU: copies are queued to one thread that runs them in order after
-    `delay` seconds each (reading the staging buffer only then, as a DMA engine does); events are threading.Events;
-    wait() blocks the caller until the event is set (a stream wait, made visible). Every step is logged."""
-
-    pinned = False
-
-    def __init__(self, delay: float = 0.0):
-        self.device = torch.device("cpu")
-        self.delay = delay
-        self.log: list[tuple[str, object]] = []
-        self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            kind, a, b = item
-            if kind == "copy":
-                time.sleep(self.delay)
-                a.copy_(b)
-                self._note("copied", a.data_ptr())
-            else:
-                a.set()
-                self._note("event", a)
-
-    def _note(self, what: str, thing: object) -> None:
-        with self._lock:
-            self.log.append((what, thing))
-
-    def copy(self, dst, src) -> None:
-        self._note("queued", dst.data_ptr())
-        self._queue.put(("copy", dst, src))
-
-    def record(self):
-        event = threading.Event()
-        self._queue.put(("event", event, None))
-        return event
-
-    def wait(self, event) -> None:
-        event.wait()
-        self._note("waited", event)
-
-    def synchronize(self, event) -> None:
-        event.wait()
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+from tests.fake_link import FakeLink, same_layers
 
 
 @pytest.fixture
@@ -87,15 +31,6 @@ def cache_path(tiny_lm, doc, tmp_path):
     path = tmp_path / "doc.kv"
     prefill(tiny_lm, doc, path, chunk_size=64)
     return path
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
-
-
-def _same(a, b) -> bool:
-    return all(x.kind == y.kind and x.seq_length == y.seq_length and torch.equal(_bits(x.keys), _bits(y.keys))
-               and torch.equal(_bits(x.values), _bits(y.values)) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("staging", [1, 2, 8])
@@ -116,7 +51,7 @@ def test_layers_arrive_bit_identical_and_no_staging_buffer_is_reused_early(cache
             want = restore.load_cache(opened).states()
             got = restore.load_cache(opened, link=link, threads=3)
         assert made and made[0].count == staging
-        assert _same(got.states(), want)
+        assert same_layers(got.states(), want)
         stats = got.restore_stats
         assert stats.layers == len(want) and stats.bytes_raw == sum(
             s.keys.numel() * s.keys.element_size() + s.values.numel() * s.values.element_size() for s in want)
@@ -210,7 +145,7 @@ def test_another_dtype_on_the_device(cache_path):
         with store.open_cache(cache_path) as opened:
             want = restore.load_cache(opened, dtype=torch.bfloat16).states()
             got = restore.load_cache(opened, dtype=torch.bfloat16, link=link).states()
-        assert _same(got, want) and got[0].keys.dtype == torch.bfloat16
+        assert same_layers(got, want) and got[0].keys.dtype == torch.bfloat16
     finally:
         link.close()
 
@@ -246,7 +181,7 @@ def test_cuda_restore_equals_the_cpu_restore(cache_path):
     got = kv.states()
     torch.cuda.synchronize()
     assert all(s.keys.device.type == "cuda" for s in got)
-    assert _same([type(s)(s.kind, s.keys.cpu(), s.values.cpu(), s.seq_length, s.sliding_window) for s in got], want)
+    assert same_layers([type(s)(s.kind, s.keys.cpu(), s.values.cpu(), s.seq_length, s.sliding_window) for s in got], want)
 
 
 def test_the_fast_setting_stores_plain_bytes_and_restores_the_same_layers(tiny_lm, doc, tmp_path):
@@ -261,7 +196,7 @@ def test_the_fast_setting_stores_plain_bytes_and_restores_the_same_layers(tiny_l
     assert (mf_.transform, mf_.compression["level"]) == codec.COMPRESSION["fast"] == ("none", -1)
     store.verify(fast)
     with store.open_cache(small) as a, store.open_cache(fast) as b:
-        assert _same(restore.load_cache(b).states(), restore.load_cache(a).states())
+        assert same_layers(restore.load_cache(b).states(), restore.load_cache(a).states())
     with pytest.raises(UsageError, match="--compression tiny: choose small or fast"):
         prefill(tiny_lm, doc, tmp_path / "x.kv", compression="tiny")
 
@@ -282,7 +217,7 @@ def test_every_family_in_float32_on_cuda_answers_as_generate(tokenizer, plain_to
     """test_architectures' exactness on the GPU: each family's tiny float32 model on CUDA, its cache restored
     through the copy stream, several questions on one Session, each answer equal to generate() on the GPU."""
     import kvcli
-    from tests.test_architectures import ARCHS, DOC_CHARS, OPTS, QUESTIONS, build
+    from tests.architectures import ARCHS, DOC_CHARS, OPTS, QUESTIONS, build
 
     tok = plain_tokenizer if ARCHS[name][1] else tokenizer
     model = build(name, tok).to("cuda")

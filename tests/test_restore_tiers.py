@@ -11,7 +11,7 @@ from kvcli.engine.cache import restore, tiers
 from kvcli.engine.prefilling import prefill
 from kvcli.format import store
 from tests.conftest import sample_text
-from tests.test_restore_pipeline import FakeLink, _same
+from tests.fake_link import FakeLink, same_layers
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +54,9 @@ def test_least_recently_used_moves_down_then_out(caches, link):
     t.put(2, kvs[2], held=False)  # over the device limit: 1, the least recently used, moves to the host
     assert list(t.tiers["device"]) == [0, 2] and list(t.tiers["host"]) == [1]
     assert t.moves == {"down": 1, "up": 0, "dropped": 0}
-    assert _same(t.tiers["host"][1].value.states, _reference(caches[1]))
+    assert same_layers(t.tiers["host"][1].value.states, _reference(caches[1]))
     back = t.get(1)  # up again, layer by layer; 0, now the least recently used, goes down
-    assert _same(back.states(), _reference(caches[1]))
+    assert same_layers(back.states(), _reference(caches[1]))
     assert t.moves["up"] == 1 and 1 in t.tiers["device"] and 0 in t.tiers["host"]
     report = {r["tier"]: r for r in t.report()}
     assert report["device"]["bytes"] <= report["device"]["limit"] and report["host"]["bytes"] <= report["host"]["limit"]
@@ -101,7 +101,7 @@ def test_a_cache_kept_in_host_memory_is_restored_from_there(caches, link, monkey
     assert host.keep(key, first, pinned=False)
     again = _restored(caches[0], link)
     assert again.restore_stats.bytes_stored == 0 and host.hits == 1  # no shard read
-    assert _same(again.states(), _reference(caches[0]))
+    assert same_layers(again.states(), _reference(caches[0]))
     other = _restored(caches[1], link)
     assert other.restore_stats.bytes_stored > 0 and host.hits == 1
     assert host.report()["caches"] == 1

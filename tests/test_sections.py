@@ -29,7 +29,7 @@ from kvcli.errors import CacheCorruptError, DocumentError, UsageError
 from kvcli.format import manifest as mf, parts, store
 from tests.conftest import sample_text
 from tests.helpers import assert_clean_error, json_lines, run
-from tests.test_architectures import build as build_model
+from tests.architectures import build as build_model
 
 WINDOW = 1024
 

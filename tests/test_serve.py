@@ -181,7 +181,7 @@ def test_prefill_through_the_server(here, world):
 def test_every_prefill_path_reports_the_one_record(here, world):
     """In-process, served and --from-list prefills (one document, several, one failing) report records of the same
     keys, through the one driver (engine.corpus.run); a failure is a record too, beside its error line."""
-    from tests.test_corpus import RECORD
+    from tests.helpers import PREFILL_RECORD
 
     model = str(world["model"])
     (here / "rec").mkdir(exist_ok=True)
@@ -196,7 +196,7 @@ def test_every_prefill_path_reports_the_one_record(here, world):
         "list": run("prefill", "--from-list", "list.txt", "-o", "rec/listed", "--model", model, "--json"),
     }
     rows = {name: json_lines(r.stdout) for name, r in runs.items()}
-    assert all(set(row) == RECORD for name in rows for row in rows[name]), rows
+    assert all(set(row) == PREFILL_RECORD for name in rows for row in rows[name]), rows
     assert [r["served"] for r in rows["served"] + rows["served, several"]] == [True] * 3
     assert [r["status"] for r in rows["list"]] == ["built", "built"] and rows["list"][0]["served"] is False
     for name in ("served, several", "in-process, several"):
