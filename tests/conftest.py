@@ -295,15 +295,13 @@ def arch(tokenizer, plain_tokenizer, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory, tiny_model_dir):
     """A small cache of the tiny model, prefilled by the CLI: what the fuzz and crafted-cache tests mutate."""
-    from typer.testing import CliRunner
-
-    from kvcli.cli import app
+    from tests.helpers import run
 
     root = tmp_path_factory.mktemp("fuzz-pristine")
     doc = root / "doc.txt"
     doc.write_text(sample_text()[:1200], encoding="utf-8")
     cache = root / "pristine.kv"
-    r = CliRunner().invoke(app, ["prefill", str(doc), "-o", str(cache), "--model", str(tiny_model_dir)])
+    r = run("prefill", doc, "-o", cache, "--model", tiny_model_dir)
     assert r.exit_code == 0, r.stderr
     return cache
 

@@ -20,7 +20,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from tests import fuzz_cases
 from tests.fuzz_cases import REPO, RANDOM_SECONDS, RSS_GROWTH_LIMIT, SEED
 
