@@ -1,4 +1,4 @@
-"""The fuzz catalogue and its worker process (tests/test_fuzz.py runs it): every mutation of a small cache with
+"""The fuzz catalogue and its worker process (tests/format/test_fuzz.py runs it): every mutation of a small cache with
 what it must give, the crafted shard payloads, seeded random cases, and the worker that runs each through
 `kvcli verify` and `kvcli ask` under an address-space cap and an audit hook. Run by path, it is the worker."""
 

@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 
 from kvcli.cli import app
 
+REPO = Path(__file__).resolve().parent.parent  # the repository's root, where kvcli/ and samples/ are
+
 runner = CliRunner()
 
 # the one record every prefill reports (docs/scripting.md)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "kvcli"
+TESTS = Path(__file__).resolve().parent
+PACKAGE = TESTS.parent / "kvcli"
 MAX_LINES = 400
 
 # Top to bottom, as docs/architecture.md draws them: a module imports only from its own layer or one below.
@@ -144,9 +145,23 @@ def test_no_test_module_imports_another():
     """Shared fixtures live in conftest.py and shared code in helper modules, so a test module runs alone and no
     fixture reaches a module by import (ruff's F811 stays on for tests)."""
     found = []
-    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+    for path in sorted(TESTS.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
                 [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            found += [f"{path.name}: {name}" for name in names if name.startswith("tests.test_")]
+            found += [f"{path.name}: {name}" for name in names if name.rsplit(".", 1)[-1].startswith("test_")]
     assert not found, found
+
+
+def test_tests_are_grouped_as_the_package():
+    """A test module sits in the folder of the kvcli package it tests (tests/engine/ for kvcli/engine/, ...);
+    only the repository-wide checks and the base modules' tests stay at the top."""
+    top = {"test_docs.py", "test_install.py", "test_layout.py", "test_units.py"}
+    misplaced = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        folder = path.parent.relative_to(TESTS)
+        if folder.parts[:1] == ("bench",):
+            continue
+        if folder == Path(".") and path.name not in top or folder != Path(".") and not (PACKAGE / folder).is_dir():
+            misplaced.append(str(path.relative_to(TESTS)))
+    assert not misplaced, misplaced

@@ -5,7 +5,7 @@ kvcli/engine/model/fingerprint.py computes them from the transformers objects it
 loads the weights its own way, so the same values are recomputed here from the folder (or hub snapshot)
 with the engine environment's transformers and safetensors, imported inside the functions (never at
 import: `import kvcli.integrations.vllm` stays free of transformers). The rules are format/identity.py's, the
-engine's own (tests/test_vllm_connector.py checks both give the same values for the default model);
+engine's own (tests/integrations/test_vllm_connector.py checks both give the same values for the default model);
 a value that cannot be computed is None and the connector then refuses caches on that field.
 """
 

@@ -5,7 +5,7 @@
 Starts `kvcli.serve.http` in a child process on 127.0.0.1 with the default model and the document's cache,
 asks each distinct question alone first, then all clients at once, checks every streamed answer equals the
 one asked alone, and prints JSON: requests/s, p50/p95 time to first token, the server's peak memory.
-tests/test_http_load.py drives the same functions with a tiny model.
+tests/serve/test_http_load.py drives the same functions with a tiny model.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--doc", default=str(Path(__file__).resolve().parents[2] / "samples" / "document.txt"))
     parser.add_argument("--max-rss-growth-mb", type=float, default=256,
-                        help="exit 1 if the server's RSS grows more than this under load (the bound test_http_load.py once held)")
+                        help="exit 1 if the server's RSS grows more than this under load")
     args = parser.parse_args()
     import tempfile
 

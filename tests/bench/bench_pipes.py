@@ -4,7 +4,7 @@
 
 Prefills a cache with the default model, then runs `kvcli ask -f QUESTIONS` (JSON and plain) with stdout a
 pipe whose reader has already left, as after `| head -1`: each run must end with 141 and print seconds. It
-fails (exit 1) above --max-s, a bound that is a measurement, not a unit test's (tests/test_output.py checks the exit code).
+fails (exit 1) above --max-s, a bound that is a measurement, not a unit test's (tests/cli/test_output.py checks the exit code).
 """
 
 from __future__ import annotations

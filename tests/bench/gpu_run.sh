@@ -11,7 +11,7 @@ export PYTHONPATH="/tmp/site:$PWD"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())'; } > "$OUT/env.txt" 2>&1
 # the tests' tokenizer fixture reads a saved tokenizer from KVCLI_TEST_HOME (the default model is not carried)
 export KVCLI_TEST_HOME=/tmp/kvcli-test-home; mkdir -p "$KVCLI_TEST_HOME"; cp -r .gpu/tokenizer "$KVCLI_TEST_HOME/"
-timeout 150 python3 -m pytest -rs -q -p no:cacheprovider tests/test_restore_pipeline.py > "$OUT/pytest.txt" 2>&1
+timeout 150 python3 -m pytest -rs -q -p no:cacheprovider tests/engine/test_restore_pipeline.py > "$OUT/pytest.txt" 2>&1
 echo "pytest rc=$?" >> "$OUT/pytest.txt"
 timeout 240 python3 tests/bench/gpu_restore.py --tokenizer .gpu/tokenizer --device cuda --shape 1b --tokens 28445 \
   --dtype bfloat16 --compression small,fast --repeats 3 --check-exact > "$OUT/restore-1b.txt" 2>&1

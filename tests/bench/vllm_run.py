@@ -1,6 +1,6 @@
 """Runs inside the vLLM venv (not kvcli's): answers prompts with vLLM, with or without KvcliConnector.
 
-Used by tests/test_vllm.py and tests/bench/bench_vllm.py: `python tests/bench/vllm_run.py CONFIG.json OUT.json`.
+Used by tests/integrations/test_vllm.py and tests/bench/bench_vllm.py: `python tests/bench/vllm_run.py CONFIG.json OUT.json`.
 CONFIG: {"model", "caches" (null: no connector), "stats_file", "probe_dir", "max_tokens", "logprobs", "logprobs_mode"
 (e.g. "raw_logits": the top values are logits), "keep_top",
 "requests": [{"tag", "ids" | "chat": [messages], "params": {kv_transfer_params}, "max_tokens"?}],

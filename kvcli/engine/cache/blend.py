@@ -29,7 +29,7 @@ from ..model.fingerprint import text_config
 from ..prompt import framing as fr
 from . import layers as ly
 
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")  # rotate_half rotary over the whole head, proven by tests/test_blend.py
+SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")  # rotate_half rotary over the whole head, proven by tests/engine/test_blend.py
 SUPPORTED_ROPE = ("default", "linear", "llama3")  # frequencies fixed per position: R(p + d) = R(d) R(p) holds
 
 

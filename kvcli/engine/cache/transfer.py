@@ -6,7 +6,7 @@ layer's compute waits on its own event only (`Link.wait`), so the question's fir
 layers are still decoded or copied. On CUDA the staging buffers are pinned (page-locked) host memory, the
 copies run on a stream of their own and the compute stream waits on the event without blocking the host
 (`CudaLink`); anything implementing the same four methods works, which is how the pipeline's ordering is tested
-on the CPU (tests/test_restore_pipeline.py).
+on the CPU (tests/engine/test_restore_pipeline.py).
 
 A staging buffer goes back to its pool tagged with its copy's event, and is written again only after that
 event completed (`Staging.take` blocks on it): a buffer is never reused under a copy still reading it.

@@ -4,7 +4,7 @@
   key/value head n_rep times before attending whenever a mask is given (a question after a cached
   document, a prefill chunk), unless a process-wide environment switch is set. kvcli registers its own
   function, which calls torch's sdpa with `enable_gqa=True`, for models that run sdpa on the CPU,
-  where it was measured faster and gives the same tokens (tests/test_attention.py).
+  where it was measured faster and gives the same tokens (tests/engine/test_attention.py).
 - Cascade attention for many questions on one document (engine/decoding/batch.py): while a forward pass runs
   inside `sharing(cache)` with a SharedPrefixCache, every kvcli function attends over the shared document
   and each question's own tokens instead; otherwise each does exactly what the model's own attention did
@@ -145,7 +145,7 @@ def select(model: Any) -> bool:
 
 def kernel_name(implementation: str | None) -> str:
     """The attention kernel behind an implementation name, as caches record it: kvcli's functions run
-    torch's sdpa or the model's own eager attention (tests/test_attention.py shows identical logits)."""
+    torch's sdpa or the model's own eager attention (tests/engine/test_attention.py shows identical logits)."""
     return {NAME: "sdpa", SDPA_NAME: "sdpa", EAGER_NAME: "eager"}.get(implementation, str(implementation or "unknown"))
 
 

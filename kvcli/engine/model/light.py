@@ -1,7 +1,7 @@
 """A model's config and tokenizer without torch: config.json read as JSON, the tokenizer through transformers'
 own TokenizersBackend class (which imports no torch), for `kvcli count` and the checks made before a model loads.
 
-Used only where the result is the one transformers' Auto classes give (tests/test_count.py compares them):
+Used only where the result is the one transformers' Auto classes give (tests/cli/test_count.py compares them):
 a model type in LIGHT_TYPES, whose config.json states what the cache's shape needs, and a tokenizer_config.json
 naming the generic fast tokenizer (AutoTokenizer then loads exactly that class from tokenizer.json). Anything
 else returns None with the reason, and the caller loads through transformers (torch imported, still no weights).

@@ -14,7 +14,7 @@ one dot product, computed the same way in parts of the weight's rows that start 
 layer's one-row product runs as one `bmm` over equal ROWS-aligned parts of the weight, which torch spreads
 over its threads in native code (no Python between the parts). The first product of each shape is
 also computed whole and compared: a kernel that gives other bits split leaves that shape unsplit
-(tests/test_linear.py). The parts are assigned, so a core taken by another process slows the product down;
+(tests/engine/test_linear.py). The parts are assigned, so a core taken by another process slows the product down;
 engine/decoding/solo.py then measures the unsplit step faster and takes it.
 """
 

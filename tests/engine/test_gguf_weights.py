@@ -20,7 +20,7 @@ from kvcli.engine.model import gguf_model, gguf_weights, kernels, models
 from kvcli.engine.model.memory import ModelTooLargeError
 from kvcli.errors import CacheMismatchError, ModelError
 from tests.conftest import SAMPLES
-from tests.helpers import assert_clean_error, json_lines, run
+from tests.helpers import assert_clean_error, json_lines, REPO, run
 
 QUESTION = "Who may grant a patent license under this license?"
 # the tiny file's linear layers: several block types, two of them (Q4_K, Q6_K) without a gguf-py quantizer
@@ -175,7 +175,7 @@ def test_loading_and_running_never_makes_a_float32_copy_of_the_model(tiny_gguf, 
     assert float_bytes > 3 * tiny_gguf.stat().st_size
     env = {**os.environ, "KVCLI_HOME": str(tmp_path / "home"), "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", CAPPED, str(tiny_gguf), str(float_bytes)], capture_output=True,
-                          text=True, env=env, timeout=600, cwd=Path(__file__).parents[1])
+                          text=True, env=env, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["capped"]
     assert list((tmp_path / "home" / "models").glob("*-packed/packed-v*.safetensors"))

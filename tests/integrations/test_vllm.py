@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SAMPLES
-from tests.helpers import converted_default_model
+from tests.helpers import converted_default_model, REPO
 
 VLLM_PYTHON = os.environ.get("KVCLI_VLLM_PYTHON")
 pytestmark = [
@@ -35,7 +35,7 @@ pytestmark = [
                        reason="set KVCLI_VLLM_PYTHON to the python of a vLLM venv (.ci/vllm-up makes one) to run vLLM "
                               "with KvcliConnector"),
 ]
-RUNNER = Path(__file__).parent / "bench" / "vllm_run.py"
+RUNNER = REPO / "tests" / "bench" / "vllm_run.py"
 BLOCK = 128  # vLLM's CPU default block size (checked against the counters below)
 MAX_TOKENS = 32
 TIMEOUT = int(os.environ.get("KVCLI_VLLM_TIMEOUT", "900"))  # per vLLM run, seconds

@@ -1,6 +1,6 @@
 """The vLLM connector's engine-free half (kvcli/integrations/caches.py): runs in kvcli's own venv, without vLLM.
 Indexing caches by their prompt ids, prefix matching in whole blocks, refusal reasons. The paged layout is vLLM's
-(the connector writes through each attention layer's own kv-cache update): tests/test_vllm.py checks it."""
+(the connector writes through each attention layer's own kv-cache update): tests/integrations/test_vllm.py checks it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The shard codec and the restore path: exact round trips for every stored dtype and transform,
 and old caches (no transform recorded) still load. (Questions appending into the restored cache:
-tests/test_kvcache.py.)"""
+tests/engine/test_kvcache.py.)"""
 
 from __future__ import annotations
 

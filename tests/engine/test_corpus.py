@@ -15,7 +15,7 @@ from kvcli.engine import corpus
 from kvcli.errors import UsageError
 from kvcli.format import store
 from tests.conftest import sample_text
-from tests.helpers import assert_clean_error, json_lines, run, PREFILL_RECORD
+from tests.helpers import assert_clean_error, json_lines, PREFILL_RECORD, REPO, run
 from tests.serve_helpers import kvcli_cmd
 
 
@@ -282,7 +282,7 @@ def test_from_list_creates_the_output_folder_under_concurrent_tasks(tiny_model_d
     listing = tmp_path / "list.txt"
     listing.write_text("".join(f"{d}\n" for d in docs), encoding="utf-8")
     out = tmp_path / "new" / "deeper"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(kvcli_cmd("prefill", "--from-list", listing, "--shard", f"{i}/3", "-o", out, "--model", tiny_model_dir,
                                         "--no-server"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for i in range(3)]

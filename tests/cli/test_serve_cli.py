@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import sample_text
-from tests.helpers import assert_clean_error, run, run_python
+from tests.helpers import assert_clean_error, REPO, run, run_python
 from tests.serve_helpers import ThreadServer, kvcli_cmd, short_dir
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")

@@ -120,7 +120,7 @@ def test_bad_documents_refused(tmp_path, tiny_model_dir, content, needles):
 
 
 def test_document_longer_than_the_model_becomes_sections(tmp_path, tiny_model_dir):
-    # refused only by models whose keys cannot move (tests/test_count.py); here a sectioned cache (tests/test_sections.py)
+    # refused only by models whose keys cannot move (tests/cli/test_count.py); here a sectioned cache (tests/engine/test_sections.py)
     doc = tmp_path / "long.txt"
     doc.write_text(sample_text(40_000), encoding="utf-8")
     result = run("prefill", doc, "--model", tiny_model_dir, "--json", "--no-server")

@@ -9,7 +9,7 @@ Each mutation runs through `kvcli verify` and `kvcli ask --model DIR`, in a work
   the test's own temporary folder, and nothing is ever unpickled;
 - checks that reading never changes the cache folder.
 Seeded (KVCLI_FUZZ_SEED) and time-bounded (KVCLI_FUZZ_SECONDS for the random rounds, after the fixed
-catalogue). Run this file alone with `python -m pytest tests/test_fuzz.py`.
+catalogue). Run this file alone with `python -m pytest tests/format/test_fuzz.py`.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ import pytest
 
 from kvcli.format import store
 from tests.conftest import sample_text
-from tests.helpers import json_lines
+from tests.helpers import json_lines, REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 TASKS = 3
 LIMIT_S = 300
 

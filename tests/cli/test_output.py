@@ -9,12 +9,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import sample_text
-from tests.helpers import json_lines, run
+from tests.helpers import json_lines, REPO, run
 from tests.serve_helpers import ThreadServer, short_dir
 
 
@@ -42,7 +41,7 @@ def _closed_pipe_run(args: list[str], timeout: float = 240) -> subprocess.Comple
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
         return subprocess.run([sys.executable, "-m", "kvcli", *map(str, args)], stdout=write_end, stderr=subprocess.PIPE,
                               stdin=subprocess.DEVNULL, text=True, timeout=timeout, env=env)
     finally:

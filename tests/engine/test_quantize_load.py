@@ -17,7 +17,7 @@ from kvcli.engine.model import memory, quantize_load
 from kvcli.engine.model.fingerprint import weights_sha256
 from kvcli.engine.model.memory import ModelTooLargeError
 from tests.conftest import tiny_llama
-from tests.helpers import assert_clean_error, run
+from tests.helpers import assert_clean_error, REPO, run
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ print((kb("VmHWM:") - base) * 1024)
 
 def _peak(folder: Path, mode: str, env: dict) -> int:
     done = subprocess.run([sys.executable, "-c", PEAK, str(folder), mode], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=Path(__file__).parents[1])
+                          timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return int(done.stdout.split()[-1])
 
