@@ -167,12 +167,6 @@ def release(staging: Staging) -> None:
                 kept += buf.numel()
 
 
-def pooled_bytes() -> int:
-    """Pinned staging memory kept for later restores."""
-    with _POOL_LOCK:
-        return sum(b.numel() for b, _e, _s in _POOL)
-
-
 def views(buf: torch.Tensor, dtype: torch.dtype, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
     """Consecutive tensors of these shapes in `dtype` over the front of a uint8 buffer."""
     out, at = [], 0

@@ -373,10 +373,3 @@ def _materialise_rest(model: Any, processor: Any, mapping: dict[str, str], heade
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise ModelError(f"{path}: kvcli cannot make the model's {left[0]} from the file; use --weights float")
-
-
-def estimate_bytes(header: Header, mode: str) -> int:
-    """The memory the model's weights take in `mode`: the file's tensors (gguf), or every weight as float32."""
-    if mode == "gguf":
-        return sum(i.nbytes for i in header.tensors.values())
-    return sum(i.rows * i.cols * 4 for i in header.tensors.values())
