@@ -26,6 +26,11 @@ def run(*args: str, input: str | None = None, env: dict | None = None):
     return runner.invoke(app, [str(a) for a in args], input=input, env=env)
 
 
+def served_and_local(*args: str, input: str | None = None):
+    """The same command through the warm server KVCLI_SOCKET names and in-process: (served, local) Results."""
+    return run(*args, "--server", input=input), run(*args, "--no-server", input=input)
+
+
 def error_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("kvcli: error:")]
 

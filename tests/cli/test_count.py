@@ -283,16 +283,6 @@ def no_weights(monkeypatch):
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
 
 
-@pytest.fixture
-def server(monkeypatch):
-    from tests.serve_helpers import ThreadServer, short_dir
-
-    s = ThreadServer(short_dir() / "s.sock")
-    monkeypatch.setenv("KVCLI_SOCKET", str(s.path))
-    yield s
-    s.close()
-
-
 @pytest.fixture(scope="module")
 def gpt2_dir(plain_tokenizer, tmp_path_factory):
     """A tiny GPT-2 folder (1,024 learned positions): its keys cannot move, so a longer document cannot be cut into

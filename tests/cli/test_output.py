@@ -10,27 +10,9 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from tests.conftest import sample_text
-from tests.helpers import json_lines, REPO, run
-from tests.serve_helpers import ThreadServer, short_dir
-
-
-@pytest.fixture()
-def server(monkeypatch):
-    folder = short_dir()
-    s = ThreadServer(folder / "s.sock")
-    monkeypatch.setenv("KVCLI_SOCKET", str(s.path))
-    yield s
-    s.close()
-
-
-def _both(server, monkeypatch, *args, input=None):
-    """The same command through the server and in-process: (served, local)."""
-    served = run(*args, "--server", input=input)
-    local = run(*args, "--no-server", input=input)
-    return served, local
+from tests.helpers import json_lines, REPO, run, served_and_local
 
 
 # ---- a closed stdout
@@ -80,7 +62,7 @@ def test_broken_pipe_through_the_runner(cache_dir, monkeypatch):
 def test_piped_answers_are_separated_and_cut_ones_say_so(cache_dir, server, monkeypatch):
     qs = ["First?", "Second\nline?"]
     answers = json_lines(run("ask", "-c", cache_dir, "--json", "--max-new-tokens", "6", "--no-server", *qs).stdout)
-    served, local = _both(server, monkeypatch, "ask", "-c", cache_dir, "--max-new-tokens", "6", *qs)
+    served, local = served_and_local("ask", "-c", cache_dir, "--max-new-tokens", "6", *qs)
     assert served.exit_code == local.exit_code == 0, local.stderr
     expected = f"==> First? <==\n{answers[0]['answer']}\n\n==> Second line? <==\n{answers[1]['answer']}\n"
     assert local.stdout == served.stdout == expected

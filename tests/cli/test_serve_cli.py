@@ -10,9 +10,8 @@ import subprocess
 import pytest
 
 from tests.conftest import sample_text
-from tests.helpers import assert_clean_error, REPO, run, run_python
+from tests.helpers import assert_clean_error, REPO, run, served_and_local, run_python
 from tests.serve_helpers import ThreadServer, kvcli_cmd, short_dir
-
 
 
 @pytest.fixture(scope="module")
@@ -23,33 +22,17 @@ def short_cache(here, short_model_dir):
     return here / "short.kv"
 
 
-@pytest.fixture()
-def server(monkeypatch):
-    folder = short_dir()
-    s = ThreadServer(folder / "s.sock")
-    monkeypatch.setenv("KVCLI_SOCKET", str(s.path))
-    yield s
-    s.close()
-
-
-def _both(server, monkeypatch, *args, input=None):
-    """The same command through the server and in-process: (served, local)."""
-    served = run(*args, "--server", input=input)
-    local = run(*args, "--no-server", input=input)
-    return served, local
-
-
 # ---- every warning both ways
 
 
 def test_room_warning_both_ways(short_cache, server, monkeypatch):
-    served, local = _both(server, monkeypatch, "ask", "-c", short_cache, "--max-new-tokens", "2000", "--json", "Who?")
+    served, local = served_and_local("ask", "-c", short_cache, "--max-new-tokens", "2000", "--json", "Who?")
     assert served.exit_code == local.exit_code == 0, (served.stderr, local.stderr)
     assert "positions are left" in local.stderr and served.stderr == local.stderr
 
 
 def test_convert_dtype_warning_both_ways(cache_dir, server, monkeypatch):
-    served, local = _both(server, monkeypatch, "ask", "-c", cache_dir, "--dtype", "bfloat16", "--convert-dtype",
+    served, local = served_and_local("ask", "-c", cache_dir, "--dtype", "bfloat16", "--convert-dtype",
                           "--max-new-tokens", "2", "--json", "Who?")
     assert served.exit_code == local.exit_code == 0, (served.stderr, local.stderr)
     assert "converted to bfloat16" in local.stderr and served.stderr == local.stderr
@@ -73,7 +56,7 @@ def test_follow_up_warning_both_ways(short_cache, server, monkeypatch, tmp_path)
     first = run("ask", "-c", short_cache, "--max-new-tokens", "4", "--json", "--no-server", "Who?")
     earlier = tmp_path / "a.json"
     earlier.write_text(first.stdout, encoding="utf-8")
-    served, local = _both(server, monkeypatch, "ask", "-c", short_cache, "--follow-up", earlier, "--max-new-tokens", "2000",
+    served, local = served_and_local("ask", "-c", short_cache, "--follow-up", earlier, "--max-new-tokens", "2000",
                           "--json", "And?")
     assert served.exit_code == local.exit_code == 0, (served.stderr, local.stderr)
     assert "positions are left" in local.stderr and served.stderr == local.stderr
