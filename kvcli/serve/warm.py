@@ -134,6 +134,7 @@ class Warm:
         self._alias: dict[str, str] = {}  # requested model key -> the key of what was loaded
         self._mutex = threading.RLock()
         self._loading: dict[str, threading.Lock] = {}
+        self._waiting: dict[str, int] = {}  # key -> requests in its load turn or waiting for it
         self.reloads = 0  # caches restored again because their directory was replaced
         self._counters = {"answers": 0, "prefills": 0, "http_requests": 0}
 
@@ -146,7 +147,7 @@ class Warm:
         paths = tuple(Path(c) for c in spec.caches) if spec.blend else Path(spec.caches[0])
         entry = self._fresh_cache(spec.key, paths)
         if entry is None:
-            with self._load_turn(spec.key):
+            with self._load_turn(spec.key, bound=self.batch_size + self.max_queue):
                 entry = self._fresh_cache(spec.key, paths) or self._restore(spec, paths, progress)
         try:
             with self._mutex:
@@ -233,12 +234,25 @@ class Warm:
 
     # ---- internals
     @contextmanager
-    def _load_turn(self, key: str):
-        """One loader per key: a second request for the same thing waits and then finds it loaded."""
+    def _load_turn(self, key: str, bound: int | None = None):
+        """One loader per key: a second request for the same thing waits and then finds it loaded. bound: at most this
+        many requests (the loader among them) wait for one key; one more is refused at once (EngineBusy), as the
+        model's engine refuses one past its queue: waiting for a restore is waiting too."""
         with self._mutex:
             lock = self._loading.setdefault(key, threading.Lock())
-        with lock:
-            yield
+            if bound is not None and self._waiting.get(key, 0) >= bound:
+                from ..engine.scheduling.requests import EngineBusy
+
+                raise EngineBusy(f"busy: {self._waiting[key]} requests already waiting for this cache to be restored; retry later")
+            self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            with lock:
+                yield
+        finally:
+            with self._mutex:
+                self._waiting[key] -= 1
+                if not self._waiting[key]:
+                    del self._waiting[key]
 
     def _take(self, key: str) -> _Entry | None:
         with self._mutex:
