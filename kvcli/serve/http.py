@@ -41,10 +41,10 @@ from ..generation import DEFAULT_HTTP_MAX_TOKENS
 from . import openai_api as oa
 from .answering import Answering, ask_request, answer_record, chunks, refusal
 from ..engine.scheduling.requests import EngineBusy
-from .docs import DocsProvider, Opened, Provider
+from .docs import DocsProvider, NotSectioned, Opened, Provider
 from .protocol import MAX_LINE
 from .warm import DEFAULT_MAX_QUEUE
-from ..requests import Blend
+from ..requests import Blend, Sections
 from .guard import LOOPBACK_NAMES, allowed_hosts, check_bind, check_origins, is_loopback, parse_address, scrub  # noqa: F401
 
 log = logging.getLogger("kvcli.serve.http")
@@ -95,6 +95,8 @@ async def _read_json(request, max_body: int) -> Any:
 def _open_failure(exc: KvcliError, documents: list[str] | None, hidden: Callable[[str], str]) -> oa.ApiError:
     if isinstance(exc, EngineBusy):  # as many requests already wait for this cache's restore as its engine would admit
         return refusal(exc, hidden)
+    if isinstance(exc, NotSectioned):
+        return oa.ApiError(400, f"sections: {exc}", param="sections")
     if isinstance(exc, CacheError):
         return oa.ApiError(409, hidden(str(exc)), param="documents" if documents else "model", code="cache_unusable")
     if isinstance(exc, PromptTooLongError):  # blended documents past the model's positions
@@ -136,7 +138,8 @@ def _error(exc: oa.ApiError):
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-async def _open(ctx: _Context, model_id: str, documents: list[str] | None, blend: Blend | None) -> Opened:
+async def _open(ctx: _Context, model_id: str, documents: list[str] | None, blend: Blend | None,
+                sections: Sections | None = None) -> Opened:
     """The session a request names, lent by the provider (404 for no such cache, 409 for one that does not fit), opened
     in a thread the request has taken (take_thread); the opening limiter has a token for every such thread."""
     from anyio import CapacityLimiter, to_thread
@@ -146,6 +149,8 @@ async def _open(ctx: _Context, model_id: str, documents: list[str] | None, blend
     try:
         if documents is not None:  # several caches blended into one prompt (engine/cache/blend.py)
             opened = await to_thread.run_sync(ctx.provider.open_blend, documents, blend, limiter=ctx.opening)
+        elif sections is not None:  # only then: a provider need not know sections for any other request
+            opened = await to_thread.run_sync(ctx.provider.open, model_id, sections, limiter=ctx.opening)
         else:
             opened = await to_thread.run_sync(ctx.provider.open, model_id, limiter=ctx.opening)
     except KvcliError as exc:
@@ -189,7 +194,7 @@ async def _answer(ctx: _Context, parse, request):
     thread = ctx.take_thread()
     run = None
     try:
-        opened = await _open(ctx, req.model, req.documents, req.blend)
+        opened = await _open(ctx, req.model, req.documents, req.blend, req.sections)
     except BaseException:
         thread()
         raise
