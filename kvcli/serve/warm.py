@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import memory
+from .loading import LoadTurns
 from ..requests import ModelSpec, SessionSpec
 
 Note = Callable[[str], None]
@@ -133,8 +134,7 @@ class Warm:
         self._entries: dict[str, _Entry] = {}  # insertion order = use order (moved to the end on use)
         self._alias: dict[str, str] = {}  # requested model key -> the key of what was loaded
         self._mutex = threading.RLock()
-        self._loading: dict[str, threading.Lock] = {}
-        self._waiting: dict[str, int] = {}  # key -> requests in its load turn or waiting for it
+        self._turns = LoadTurns()  # one loader per model or cache; requests waiting for a restore bounded
         self.reloads = 0  # caches restored again because their directory was replaced
         self._counters = {"answers": 0, "prefills": 0, "http_requests": 0}
 
@@ -147,7 +147,7 @@ class Warm:
         paths = tuple(Path(c) for c in spec.caches) if spec.blend else Path(spec.caches[0])
         entry = self._fresh_cache(spec.key, paths)
         if entry is None:
-            with self._load_turn(spec.key, bound=self.batch_size + self.max_queue):
+            with self._turns.turn(spec.key, bound=self.batch_size + self.max_queue):
                 entry = self._fresh_cache(spec.key, paths) or self._restore(spec, paths, progress)
         try:
             with self._mutex:
@@ -233,27 +233,6 @@ class Warm:
             close_engine(lm)
 
     # ---- internals
-    @contextmanager
-    def _load_turn(self, key: str, bound: int | None = None):
-        """One loader per key: a second request for the same thing waits and then finds it loaded. bound: at most this
-        many requests (the loader among them) wait for one key; one more is refused at once (EngineBusy), as the
-        model's engine refuses one past its queue: waiting for a restore is waiting too."""
-        with self._mutex:
-            lock = self._loading.setdefault(key, threading.Lock())
-            if bound is not None and self._waiting.get(key, 0) >= bound:
-                from ..engine.scheduling.requests import EngineBusy
-
-                raise EngineBusy(f"busy: {self._waiting[key]} requests already waiting for this cache to be restored; retry later")
-            self._waiting[key] = self._waiting.get(key, 0) + 1
-        try:
-            with lock:
-                yield
-        finally:
-            with self._mutex:
-                self._waiting[key] -= 1
-                if not self._waiting[key]:
-                    del self._waiting[key]
-
     def _take(self, key: str) -> _Entry | None:
         with self._mutex:
             entry = self._entries.get(key)
@@ -333,7 +312,7 @@ class Warm:
         key = model.key
         entry = self._take(self._alias.get(key, key))
         if entry is None:
-            with self._load_turn(key):
+            with self._turns.turn(key):
                 entry = self._take(self._alias.get(key, key)) or self._load_model(key, model, progress, resolved=resolved)
         return entry
 
