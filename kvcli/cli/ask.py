@@ -79,7 +79,7 @@ def ask(
 
 def _sections(cache: list[str], *, blend: bool, recompute: Optional[float], sections: Optional[int], every: bool, follow_up):
     """Which sections each question of a sectioned cache uses (None for other caches), the options checked."""
-    sectioned = _sectioned(cache)
+    sectioned = _sectioned(cache, remote=sections is not None or every or recompute is not None)
     if recompute is not None and not blend and not sectioned:
         raise UsageError("--recompute is the share of each document recomputed by --blend or of each section of a sectioned "
                          "cache: add --blend")
@@ -119,10 +119,25 @@ def _ask(out: Output, request, *, server: Optional[bool], look: Look) -> int:
         pool.close()
 
 
-def _sectioned(caches: list[str]) -> bool:
-    """Whether any local cache given is sectioned: it holds its first section's folder (nothing opened or parsed here,
-    so a cache is read once, where it is opened, which also reports a broken one)."""
+def _sectioned(caches: list[str], *, remote: bool = False) -> bool:
+    """Whether any cache given is sectioned. A local one holds its first section's folder (nothing opened or parsed
+    here, so a cache is read once, where it is opened, which also reports a broken one); one at a URL is asked only
+    with remote (options that choose sections were given): its manifest says, and one that cannot be read is left
+    to the fetch to report."""
+    from ..errors import KvcliError
     from ..format.sections import section_dir
     from ..remote import is_url
 
-    return any(not is_url(c) and (Path(c) / section_dir(0)).is_dir() for c in caches)
+    for c in caches:
+        if not is_url(c):
+            if (Path(c) / section_dir(0)).is_dir():
+                return True
+        elif remote:
+            from ..remote import objects
+
+            try:
+                if objects.read_manifest(c).sections is not None:
+                    return True
+            except KvcliError:
+                continue
+    return False

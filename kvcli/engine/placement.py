@@ -73,10 +73,10 @@ class RemoteTarget:
         """The manifest there, if it parses and every shard it names is present at its size."""
         try:
             m = objects.read_manifest(self.url)
-            sizes = objects.shard_sizes(self.url)
+            sizes = objects.stored_sizes(self.url) if m.sections is not None else objects.shard_sizes(self.url)
         except KvcliError:
             return None
-        if any(sizes.get(e.file) != e.stored_bytes for e in m.layers):
+        if any(sizes.get(rel) != e.stored_bytes for rel, e, _part in objects.shards(m)):
             return None
         return m
 

@@ -26,6 +26,11 @@ _KEYS = {"window", "document_tokens", "start_tokens", "tail_tokens", "parts"}
 _CUT_KEYS = ("anchor", "anchor_tokens", "pending")
 
 
+def is_section_dir(name: str) -> bool:
+    """Whether a folder name is one a section's folder may have."""
+    return bool(_DIR.match(name))
+
+
 def section_dir(index: int) -> str:
     """The one folder name section `index` may have."""
     return f"s{index:04d}"

@@ -66,14 +66,16 @@ def fetch(url: str, progress: Callable[[str], None] | None = None,
     if bound:
         prune(bound - need)  # room for this copy before it downloads, least recently used copies first
     local.parent.mkdir(parents=True, exist_ok=True)
+    files = objects.shards(m)  # a sectioned cache's sections too, each in its own folder
     if progress:
-        progress(f"{where}: downloading {len(m.layers)} shards ({m.bytes_stored:,} bytes) into {local.parent}")
+        progress(f"{where}: downloading {len(files)} shards ({m.bytes_stored:,} bytes) into {local.parent}")
     fs, base = objects.filesystem(url)
     try:
         with writing.atomic_cache_dir(local, force=local.exists()) as tmp:
-            for entry in m.layers:
-                _download(fs, objects.join(base, entry.file), tmp / entry.file, entry, objects.join(where, entry.file),
-                          m.shard_hash)
+            for part in m.sections.parts if m.sections is not None else []:
+                (tmp / part.dir).mkdir()
+            for rel, entry, _part in files:
+                _download(fs, objects.join(base, rel), tmp / rel, entry, objects.join(where, rel), m.shard_hash)
             writing.write_file(tmp, mf.MANIFEST_NAME, raw)
     except CacheExistsError:  # another process stored the same cache meanwhile
         if not _complete(local, m):
@@ -87,7 +89,7 @@ def _complete(local: Path, m: mf.Manifest) -> bool:
     if not store.is_cache(local):
         return False
     try:
-        return all((local / e.file).stat().st_size == e.stored_bytes for e in m.layers)
+        return all((local / rel).stat().st_size == e.stored_bytes for rel, e, _part in objects.shards(m))
     except OSError:
         return False
 
@@ -133,7 +135,7 @@ def entries() -> list[tuple[Path, int, float]]:
         if not store.is_cache(path):
             continue
         try:
-            size = sum(f.stat().st_size for f in path.iterdir())
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())  # section folders included
             rows.append((path, size, path.stat().st_mtime))
         except OSError:
             continue

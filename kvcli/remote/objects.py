@@ -86,6 +86,22 @@ def shard_sizes(url: str) -> dict[str, int]:
         return {_basename(e["name"]): int(e.get("size") or 0) for e in fs.ls(path, detail=True) if e.get("type") != "directory"}
 
 
+def stored_sizes(url: str) -> dict[str, int]:
+    """Path relative to `url` -> size of every object under it, section folders included."""
+    fs, path = filesystem(url)
+    base = path.rstrip("/") + "/"
+    with failures(url):
+        found = fs.find(path, detail=True)
+    return {key[len(base):]: int(e.get("size") or 0) for key, e in found.items() if key.startswith(base)}
+
+
+def shards(m: mf.Manifest) -> list[tuple[str, mf.LayerEntry, Any]]:
+    """Every shard of a cache as (its path relative to the cache, its entry, its section or None): the head's, then
+    each section's, in the section's own folder (format/sections.py)."""
+    parts = m.sections.parts if m.sections is not None else []
+    return [(e.file, e, None) for e in m.layers] + [(f"{p.dir}/{e.file}", e, p) for p in parts for e in p.layers]
+
+
 def _basename(key: str) -> str:
     """The last part of an object key or path."""
     return key.rstrip("/").rpartition("/")[2]
@@ -115,38 +131,68 @@ def upload(local: Path, url: str, *, force: bool) -> None:
             if not force:
                 raise CacheExistsError(f"{redact(url)}: already exists (use --force to replace it)")
             fs.rm_file(manifest)
-        keep = {entry.file for entry in m.layers}
-        try:
-            stale = [e for e in fs.ls(root, detail=False) if _basename(e).startswith("layer_") and _basename(e) not in keep]
-        except FileNotFoundError:
-            stale = []
-        for name in stale:
-            fs.rm_file(name)
+        files = shards(m)
+        _remove_stale(fs, root, {rel for rel, _e, _p in files})
         fs.makedirs(root, exist_ok=True)  # a real folder for file://; nothing (or the bucket) for object stores
-        for entry in m.layers:
-            fs.put_file(str(local / entry.file), join(root, entry.file))
+        for part in m.sections.parts if m.sections is not None else []:
+            fs.makedirs(join(root, part.dir), exist_ok=True)
+        for rel, _entry, _part in files:
+            fs.put_file(str(local / rel), join(root, rel))
         fs.put_file(str(local / mf.MANIFEST_NAME), manifest)  # last: from here on the cache exists
+
+
+def _remove_stale(fs: Any, root: str, keep: set[str]) -> None:
+    """Shards a replaced cache held that the new one does not name (a head's, or a section's, whole section folders
+    included), so the folder holds one cache's files."""
+    from ..format.sections import is_section_dir
+
+    try:
+        listed = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return
+    for e in listed:
+        name = _basename(e["name"])
+        if e.get("type") == "directory" and is_section_dir(name):
+            inside = [f"{name}/{_basename(k)}" for k in fs.ls(e["name"], detail=False)]
+            if not any(rel in keep for rel in inside):
+                fs.rm(e["name"], recursive=True)
+                continue
+            for rel in inside:
+                if _basename(rel).startswith("layer_") and rel not in keep:
+                    fs.rm_file(join(root, rel))
+        elif e.get("type") != "directory" and name.startswith("layer_") and name not in keep:
+            fs.rm_file(e["name"])
 
 
 def verify(url: str) -> mf.Manifest:
     """Check the cache as it is in the store (not a local copy): manifest, then every shard's size,
     digest and decoded layout, one shard in memory at a time. Raises CacheError naming the first bad file."""
     from ..errors import CacheCorruptError
-    from ..format import store
+    from ..format.sections import named
 
     m = read_manifest(url)
     fs, base = filesystem(url)
-    for entry in m.layers:
-        where = join(redact(url), entry.file)
-        with failures(where, CacheCorruptError, "shard is missing"), fs.open(join(base, entry.file), "rb") as f:
-            data = f.read(entry.stored_bytes + 1)
-        if len(data) != entry.stored_bytes:
-            raise CacheCorruptError(f"{where}: {len(data)} bytes in the store, manifest says {entry.stored_bytes} (truncated or extended)")
-        if store.shard_digest(data, m.shard_hash) != entry.digest:
-            raise CacheCorruptError(f"{where}: checksum mismatch (the shard in the object store is damaged or was changed)")
-        store.check_payload(data, where=where, transform=m.transform, dtype=m.dtype, key_shape=entry.key_shape,
-                            value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes, quant=m.quant)
+    for rel, entry, part in shards(m):  # a sectioned cache's sections too, each bad one named
+        try:
+            _verify_shard(fs, m, entry, join(base, rel), join(redact(url), rel))
+        except CacheCorruptError as exc:
+            raise exc if part is None else named(part, exc) from None
     return m
+
+
+def _verify_shard(fs: Any, m: mf.Manifest, entry: mf.LayerEntry, path: str, where: str) -> None:
+    """One shard as it is in the store: its size, digest and decoded layout against its entry."""
+    from ..errors import CacheCorruptError
+    from ..format import store
+
+    with failures(where, CacheCorruptError, "shard is missing"), fs.open(path, "rb") as f:
+        data = f.read(entry.stored_bytes + 1)
+    if len(data) != entry.stored_bytes:
+        raise CacheCorruptError(f"{where}: {len(data)} bytes in the store, manifest says {entry.stored_bytes} (truncated or extended)")
+    if store.shard_digest(data, m.shard_hash) != entry.digest:
+        raise CacheCorruptError(f"{where}: checksum mismatch (the shard in the object store is damaged or was changed)")
+    store.check_payload(data, where=where, transform=m.transform, dtype=m.dtype, key_shape=entry.key_shape,
+                        value_shape=entry.value_shape, decoded_bytes=entry.decoded_bytes, quant=m.quant)
 
 
 def cache_urls(url: str, *, suffix: str = "") -> list[str]:

@@ -101,7 +101,7 @@ def ask_request(req: oa.ChatRequest, opened: Opened) -> AskRequest:
 
     history, question = conversation.with_system(opened.session.framing, req.system, req.history, req.question)
     return AskRequest(caches=(req.model,), questions=(question,), options=req.options, stream=req.stream,
-                      history=tuple(history))
+                      history=tuple(history), sections=req.sections)
 
 
 def refusal(exc: BaseException | None, hidden: Callable[[str], str]) -> oa.ApiError:

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..requests import Blend, ModelSpec, SessionSpec
+from ..errors import UsageError
+from ..requests import Blend, ModelSpec, Sections, SessionSpec
+
+
+class NotSectioned(UsageError):
+    """A request chose the sections of a cache that has none (a cache of one prompt)."""
+
 
 def _nothing() -> None:
     pass
@@ -39,8 +45,10 @@ class Provider(Protocol):
     def models(self) -> list[tuple[str, dict[str, Any]]]:
         """(id, catalog row) for every cache offered: those whose manifest is valid."""
 
-    def open(self, model_id: str) -> Opened | None:
+    def open(self, model_id: str, sections: Sections | None = None) -> Opened | None:
         """The Session for that id (None if there is no such cache); raises CacheError if it does not fit.
+        sections: a sectioned cache's choice of sections (NotSectioned for any other cache); the app passes it only
+        when a request gives one.
 
         The caller calls `release()` on the result once, when it no longer uses the session."""
 
@@ -93,11 +101,18 @@ class WarmProvider:
     def models(self) -> list[tuple[str, dict[str, Any]]]:
         return catalog_ids(self.folders)
 
-    def open(self, model_id: str) -> Opened | None:
+    def open(self, model_id: str, sections: Sections | None = None) -> Opened | None:
+        from ..format.sections import section_dir
+
         path = resolve(self.folders, model_id)
         if path is None:
             return None
-        return self._lend(path)
+        if (path / section_dir(0)).is_dir():  # sectioned (as `kvcli ask` tells, opening nothing): its choice as ask builds it
+            sections = sections or Sections()  # the one warm entry a socket client's `ask` uses too
+        elif sections is not None:
+            raise NotSectioned(f"'{model_id}' is not a sectioned cache (a document longer than the window): sections "
+                               "chooses the sections of one")
+        return self._lend(path, sections=sections)
 
     def open_blend(self, model_ids: Sequence[str], blend: Blend) -> Opened | None:
         paths = [resolve(self.folders, i) for i in model_ids]
@@ -105,11 +120,11 @@ class WarmProvider:
             return None
         return self._lend(tuple(paths), blend=blend)
 
-    def _lend(self, path: Path | tuple, blend: Blend | None = None) -> Opened:
+    def _lend(self, path: Path | tuple, blend: Blend | None = None, sections: Sections | None = None) -> Opened:
         self.on_use()
         self.warm.count("http_requests")
         caches = tuple(str(p) for p in path) if isinstance(path, tuple) else (str(path),)
-        held = self.warm.session(SessionSpec(caches, self.model, blend=blend))
+        held = self.warm.session(SessionSpec(caches, self.model, blend=blend, sections=sections))
         lease = held.__enter__()  # CacheError here: nothing is held
 
         def release() -> None:

@@ -5,7 +5,10 @@ server-sent events in OpenAI's chunk format, ending with `data: [DONE]`). Errors
 Each request is an AskRequest answered through events.ask_events, as the CLI and the socket server answer
 (serve/answering.py); its row joins its model's engine (engine/scheduling/scheduler.py), decoded together with
 every other request on that document up to the batch width. The engine admits at most `max_queue` more
-requests waiting per model; more get 503. A client that disconnects, streaming or not, takes its row out at
+requests waiting per model; more get 503. A request's blocking work (its cache opened, then its answer read in the
+app's one pool) holds one of `workers` threads, taken only while one is free: past that it is answered 503 at once,
+never queued in front of a pool (anyio's shared limiter or the executor's queue) where the engine's admission cannot
+see it. A client that disconnects, streaming or not, takes its row out at
 the next step. The session stays lent until the response is sent, so the server counts as in use until then.
 Binding anything but loopback requires an API key (Bearer token).
 
@@ -37,16 +40,17 @@ from ..errors import CacheError, KvcliError, PromptTooLongError, extra_hint
 from ..generation import DEFAULT_HTTP_MAX_TOKENS
 from . import openai_api as oa
 from .answering import Answering, ask_request, answer_record, chunks, refusal
-from .docs import DocsProvider, Opened, Provider
+from ..engine.scheduling.requests import EngineBusy
+from .docs import DocsProvider, NotSectioned, Opened, Provider
 from .protocol import MAX_LINE
 from .warm import DEFAULT_MAX_QUEUE
-from ..requests import Blend
+from ..requests import Blend, Sections
 from .guard import LOOPBACK_NAMES, allowed_hosts, check_bind, check_origins, is_loopback, parse_address, scrub  # noqa: F401
 
 log = logging.getLogger("kvcli.serve.http")
 DEFAULT_MAX_BODY = MAX_LINE  # bytes of a request body: the socket server's longest request line
 DEFAULT_MAX_TOKENS = DEFAULT_HTTP_MAX_TOKENS  # most answer tokens one request may ask for (--max-tokens)
-WORKERS = 256  # threads of the app's one pool reading answers (each blocks on its engine's events)
+WORKERS = 256  # threads of the app's one pool opening caches and reading answers (each blocks on its engine's events)
 
 
 def _once(fn):
@@ -89,6 +93,10 @@ async def _read_json(request, max_body: int) -> Any:
 
 
 def _open_failure(exc: KvcliError, documents: list[str] | None, hidden: Callable[[str], str]) -> oa.ApiError:
+    if isinstance(exc, EngineBusy):  # as many requests already wait for this cache's restore as its engine would admit
+        return refusal(exc, hidden)
+    if isinstance(exc, NotSectioned):
+        return oa.ApiError(400, f"sections: {exc}", param="sections")
     if isinstance(exc, CacheError):
         return oa.ApiError(409, hidden(str(exc)), param="documents" if documents else "model", code="cache_unusable")
     if isinstance(exc, PromptTooLongError):  # blended documents past the model's positions
@@ -102,12 +110,26 @@ class _Context:
 
     provider: Provider
     folders: list[str]  # the --docs folders as given and resolved, taken out of every message
-    workers: ThreadPoolExecutor  # the app's one pool of threads reading answers
+    workers: ThreadPoolExecutor  # the app's one pool of threads opening caches and reading answers
     max_body: int
     max_tokens: int
+    threads: int  # the pool's threads: a request holds one from its open to its answer's end
+    opening: Any = None  # anyio CapacityLimiter with a token per thread (opens never wait for one), made in the event loop
+
+    def __post_init__(self) -> None:
+        self.free = threading.BoundedSemaphore(self.threads)  # the pool's threads not held by a request
 
     def hidden(self, text: str) -> str:
         return scrub(text, self.folders)
+
+    def take_thread(self) -> Callable[[], None]:
+        """One of the pool's threads for a request (its open, then its answer), or 503 at once when all are taken:
+        a request never waits in a queue in front of the pool, where the engine's admission cannot see it.
+        Returns the call that gives it back (once)."""
+        if not self.free.acquire(blocking=False):
+            raise oa.ApiError(503, "busy: every answer thread of the server is in use; retry later", type="server_error",
+                              code="busy", headers={"Retry-After": "1"})
+        return _once(self.free.release)
 
 
 def _error(exc: oa.ApiError):
@@ -116,15 +138,21 @@ def _error(exc: oa.ApiError):
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-async def _open(ctx: _Context, model_id: str, documents: list[str] | None, blend: Blend | None) -> Opened:
-    """The session a request names, lent by the provider (404 for no such cache, 409 for one that does not fit)."""
-    from starlette.concurrency import run_in_threadpool
+async def _open(ctx: _Context, model_id: str, documents: list[str] | None, blend: Blend | None,
+                sections: Sections | None = None) -> Opened:
+    """The session a request names, lent by the provider (404 for no such cache, 409 for one that does not fit), opened
+    in a thread the request has taken (take_thread); the opening limiter has a token for every such thread."""
+    from anyio import CapacityLimiter, to_thread
 
+    if ctx.opening is None:
+        ctx.opening = CapacityLimiter(ctx.threads)
     try:
         if documents is not None:  # several caches blended into one prompt (engine/cache/blend.py)
-            opened = await run_in_threadpool(ctx.provider.open_blend, documents, blend)
+            opened = await to_thread.run_sync(ctx.provider.open_blend, documents, blend, limiter=ctx.opening)
+        elif sections is not None:  # only then: a provider need not know sections for any other request
+            opened = await to_thread.run_sync(ctx.provider.open, model_id, sections, limiter=ctx.opening)
         else:
-            opened = await run_in_threadpool(ctx.provider.open, model_id)
+            opened = await to_thread.run_sync(ctx.provider.open, model_id, limiter=ctx.opening)
     except KvcliError as exc:
         raise _open_failure(exc, documents, ctx.hidden) from None
     if opened is None and documents is not None:
@@ -163,17 +191,24 @@ async def _answer(ctx: _Context, parse, request):
     from starlette.responses import JSONResponse
 
     req = parse(await _read_json(request, ctx.max_body), max_tokens=ctx.max_tokens)
-    opened = await _open(ctx, req.model, req.documents, req.blend)
-    release = _once(opened.release)
+    thread = ctx.take_thread()
     run = None
+    try:
+        opened = await _open(ctx, req.model, req.documents, req.blend, req.sections)
+    except BaseException:
+        thread()
+        raise
+    release = _once(opened.release)
     try:
         run = Answering(ask_request(req, opened), opened.asker)
         run.start(ctx.workers)
+        run.after(thread)  # the thread is free again once ask_events has ended in it
         if not await run.admitted():  # refused before its row joined the engine
             raise refusal(run.error(), ctx.hidden)
     except BaseException:
         if run is None:
             release()
+            thread()
         else:
             run.cancel()
             run.after(release)
@@ -201,11 +236,12 @@ async def _answer(ctx: _Context, parse, request):
 
 def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                hosts: Sequence[str] = LOOPBACK_NAMES, origins: Sequence[str] = (), max_body: int = DEFAULT_MAX_BODY,
-               max_tokens: int = DEFAULT_MAX_TOKENS):
+               max_tokens: int = DEFAULT_MAX_TOKENS, workers: int = WORKERS):
     """The ASGI (starlette) app over `provider`. max_queue: requests waiting per model beyond those decoding
     (the engine's admission; set on the provider's Warm); hosts: the Host header names answered
     (allowed_hosts()); origins: browser origins CORS allows (none by default); max_body: bytes of a request
-    body; max_tokens: most answer tokens a request may ask for."""
+    body; max_tokens: most answer tokens a request may ask for; workers: threads opening caches and reading
+    answers, one per request at a time (a request finding none free is answered 503 at once)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -218,7 +254,8 @@ def create_app(provider: Provider, *, api_key: str | None = None, max_queue: int
         provider.warm.max_queue = max_queue
     folders = [str(f) for f in getattr(provider, "folders", ())]
     ctx = _Context(provider, folders + [str(Path(f).resolve()) for f in folders],
-                   ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvcli-answer"), max_body, max_tokens)
+                   ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcli-answer"), max_body, max_tokens,
+                   workers)
     token = api_key.encode() if api_key else None
 
     def endpoint(fn, *args):
@@ -315,7 +352,7 @@ class Running:
 def start(host: str, port: int, *, provider: Provider | None = None, docs: Sequence[str] = (), ready_timeout: float = 30.0,
           **options) -> Running:
     """Serve in a daemon thread; returns once it accepts connections (port 0 picks a free port). options: create_app's
-    (api_key, max_queue, max_body, max_tokens) and allow_hosts/allow_origins (allowed_hosts, check_origins)."""
+    (api_key, max_queue, max_body, max_tokens, workers) and allow_hosts/allow_origins (allowed_hosts, check_origins)."""
     server, sock = _bound(host, port, provider, docs, **options)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvcli-http", daemon=True)
     thread.start()

@@ -16,7 +16,7 @@ from typing import Any
 from ..engine.prompt import conversation
 from ..errors import ConversationError
 from ..generation import DEFAULT_MAX_NEW_TOKENS, GenerationOptions, OptionError, check_options
-from ..requests import Blend
+from ..requests import SECTION_RECOMPUTE, Blend, Sections
 
 BLEND_MODEL = "kvcli-blend"  # the model id a request blending `documents` may name instead of the first document
 HTTP_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop"}
@@ -48,6 +48,7 @@ class ChatRequest:
     include_usage: bool
     documents: list[str] | None = None  # caches blended into one prompt, in order (kvcli's field; `model` is BLEND_MODEL or the first)
     blend: Blend | None = None  # with documents: the share of each later document recomputed
+    sections: Sections | None = None  # a sectioned cache's choice of sections (kvcli's `sections` field; None: the defaults)
     text: bool = False  # a /v1/completions request: answered in the text_completion shape
 
     @property
@@ -111,11 +112,13 @@ def parse_chat(body: Any, *, max_tokens: int | None = None) -> ChatRequest:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise _bad("response_format", "only {\"type\": \"text\"} is supported")
-    documents, blend = _documents(body, model)
+    sections = _sections(body)
+    documents, blend = _documents(body, model, sections)
     if documents is not None and history:
         raise _bad("documents", "a blended prompt answers one question: send the question without earlier turns")
     return ChatRequest(model=model, system=system, history=history, question=question, documents=documents, blend=blend,
-                       options=GenerationOptions(**checked), stream=bool(stream), include_usage=bool(options.get("include_usage")))
+                       sections=sections, options=GenerationOptions(**checked), stream=bool(stream),
+                       include_usage=bool(options.get("include_usage")))
 
 
 def parse_completion(body: Any, *, max_tokens: int | None = None) -> ChatRequest:
@@ -141,12 +144,32 @@ def parse_completion(body: Any, *, max_tokens: int | None = None) -> ChatRequest
     return req
 
 
-def _documents(body: dict, model: str) -> tuple[list[str] | None, Blend | None]:
+def _sections(body: dict) -> Sections | None:
+    """kvcli's `sections` field (a sectioned cache's sections each question uses: a whole number N, the N that best
+    match it, as `ask --sections N`; or "all", every one in document order, as `ask --all`) with its `recompute` (the
+    share of each section recomputed, as `ask --recompute`), checked: the Sections value `kvcli ask` builds."""
+    value = body.get("sections")
+    if value is None:
+        return None
+    if value == "all":
+        count, every = None, True
+    elif type(value) is int and value >= 1:
+        count, every = value, False
+    else:
+        raise _bad("sections", 'must be a whole number of at least 1 (the sections each question uses) or "all"')
+    if body.get("documents") is not None:
+        raise _bad("sections", "chooses a sectioned cache's sections, which is never blended: send it without documents")
+    fraction = _number(body, "recompute", 0, 1)
+    return Sections(count=count, every=every, recompute=SECTION_RECOMPUTE if fraction is None else fraction)
+
+
+def _documents(body: dict, model: str, sections: Sections | None = None) -> tuple[list[str] | None, Blend | None]:
     """kvcli's `documents` (cache ids blended into one prompt, in order) and `recompute` fields, checked."""
     documents, recompute = body.get("documents"), body.get("recompute")
     if documents is None:
-        if recompute is not None:
-            raise _bad("recompute", "only with documents (the caches blended into one prompt)")
+        if recompute is not None and sections is None:
+            raise _bad("recompute", "only with documents (the caches blended into one prompt) or sections (a sectioned "
+                                    "cache's)")
         return None, None
     if not isinstance(documents, list) or len(documents) < 2 or not all(isinstance(d, str) and d for d in documents):
         raise _bad("documents", "must be a list of at least two cache ids (see GET /v1/models)")

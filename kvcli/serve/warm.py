@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import memory
+from .loading import LoadTurns
 from ..requests import ModelSpec, SessionSpec
 
 Note = Callable[[str], None]
@@ -133,7 +134,7 @@ class Warm:
         self._entries: dict[str, _Entry] = {}  # insertion order = use order (moved to the end on use)
         self._alias: dict[str, str] = {}  # requested model key -> the key of what was loaded
         self._mutex = threading.RLock()
-        self._loading: dict[str, threading.Lock] = {}
+        self._turns = LoadTurns()  # one loader per model or cache; requests waiting for a restore bounded
         self.reloads = 0  # caches restored again because their directory was replaced
         self._counters = {"answers": 0, "prefills": 0, "http_requests": 0}
 
@@ -146,7 +147,7 @@ class Warm:
         paths = tuple(Path(c) for c in spec.caches) if spec.blend else Path(spec.caches[0])
         entry = self._fresh_cache(spec.key, paths)
         if entry is None:
-            with self._load_turn(spec.key):
+            with self._turns.turn(spec.key, bound=self.batch_size + self.max_queue):
                 entry = self._fresh_cache(spec.key, paths) or self._restore(spec, paths, progress)
         try:
             with self._mutex:
@@ -232,14 +233,6 @@ class Warm:
             close_engine(lm)
 
     # ---- internals
-    @contextmanager
-    def _load_turn(self, key: str):
-        """One loader per key: a second request for the same thing waits and then finds it loaded."""
-        with self._mutex:
-            lock = self._loading.setdefault(key, threading.Lock())
-        with lock:
-            yield
-
     def _take(self, key: str) -> _Entry | None:
         with self._mutex:
             entry = self._entries.get(key)
@@ -319,7 +312,7 @@ class Warm:
         key = model.key
         entry = self._take(self._alias.get(key, key))
         if entry is None:
-            with self._load_turn(key):
+            with self._turns.turn(key):
                 entry = self._take(self._alias.get(key, key)) or self._load_model(key, model, progress, resolved=resolved)
         return entry
 

@@ -172,6 +172,55 @@ def test_kv_bits_prefill_to_a_bucket(s3, bucket, docs, tiny_model_dir, tmp_path,
     assert answer_ids(url) == answer_ids(str(local))
 
 
+def test_sectioned_cache_in_a_bucket(s3, bucket, tiny_model_dir, tmp_path, store_home):
+    """A document longer than the window prefilled into the bucket: its sections' folders uploaded with it; info lists
+    them, verify checks every section's shards, and ask answers from the same sections as the bucket's files copied
+    here by s3fs itself; a second prefill of it is up to date; a damaged section is named."""
+    doc = tmp_path / "long.txt"
+    doc.write_text(sample_text(), encoding="utf-8")
+    url = f"s3://{bucket}/sec/long.kv"
+    built = run("prefill", doc, "-o", url, "--model", tiny_model_dir, "--window", "1024", "--json")
+    assert built.exit_code == 0, built.stderr
+    sections = sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{bucket}/sec/long.kv") if p.rsplit("/", 1)[1].startswith("s0"))
+    assert len(sections) == len(json.loads(run("info", url, "--json").stdout)["sections"]) > 1
+    local = tmp_path / "long.kv"
+    s3.get(f"{bucket}/sec/long.kv/", str(local), recursive=True)
+    assert sorted(p.name for p in local.iterdir() if p.is_dir()) == sections
+    info, here = run("info", url, "--json"), run("info", local, "--json")
+    assert info.exit_code == 0, info.stderr
+    assert json.loads(info.stdout)["sections"] == json.loads(here.stdout)["sections"]
+    verified = run("verify", url, "--json")
+    assert verified.exit_code == 0 and json_lines(verified.stdout)[0]["ok"] is True, verified.stderr
+    for extra in ((), ("--sections", "1")):
+        asked = run("ask", "--cache", url, QUESTION, "--max-new-tokens", "6", "--json", *extra)
+        assert asked.exit_code == 0, asked.stderr
+        want = run("ask", "--cache", local, QUESTION, "--max-new-tokens", "6", "--json", "--no-server", *extra)
+        (got,), (alone,) = json_lines(asked.stdout), json_lines(want.stdout)
+        assert got["answer_token_ids"] == alone["answer_token_ids"] and got["sources"] == alone["sources"]
+    assert len(local_store.entries()) == 1  # one copy, its sections with it
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{doc}\n", encoding="utf-8")
+
+    def status() -> str:
+        result = run("prefill", "--from-list", listing, "-o", f"s3://{bucket}/sec/", "--model", tiny_model_dir,
+                     "--window", "1024", "--json")
+        assert result.exit_code == 0, result.stderr
+        return json_lines(result.stdout)[0]["status"]
+
+    assert status() == "skipped"
+    s3.rm(f"{bucket}/sec/long.kv/{sections[-1]}/layer_001.safetensors.zst")  # a section incomplete: rebuilt
+    assert status() == "built"
+    s3.pipe(f"{bucket}/sec/long.kv/{sections[-1]}/layer_000.safetensors.zst", b"not the shard")  # altered: named
+    broken = run("verify", url)
+    assert broken.exit_code == 3 and f"section {len(sections) - 1} (lines" in broken.stderr, broken.stderr
+    doc.write_text(sample_text()[:1500], encoding="utf-8")  # within the window: one prompt, no sections
+    replaced = run("prefill", doc, "-o", url, "--model", tiny_model_dir, "--window", "1024", "--force")
+    assert replaced.exit_code == 0, replaced.stderr
+    assert sorted(p.rsplit("/", 1)[1] for p in s3.ls(f"{bucket}/sec/long.kv")) == [
+        "layer_000.safetensors.zst", "layer_001.safetensors.zst", "manifest.json"]  # no section of the old one left
+    assert run("verify", url).exit_code == 0
+
+
 # Runs `kvcli ARGS...` with the object store's put_file wrapped so the process stops itself (SIGSTOP) right
 # after uploading the file named by the first argument: production code has no test hook.
 STOP_AFTER_UPLOAD = """

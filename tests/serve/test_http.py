@@ -294,6 +294,103 @@ def test_busy_is_503_and_the_first_request_still_finishes(docs):
     assert results and results[0].choices[0].message.content == _alone(docs, "licence.kv", Q1).answer
 
 
+class _GatedProvider:
+    """Opens wait at a gate (a slow restore, held open by the test); counts the opens that reached it."""
+
+    def __init__(self, inner):
+        self.inner, self.gate, self.entered = inner, threading.Event(), 0
+        self.warm = inner.warm
+
+    def models(self):
+        return self.inner.models()
+
+    def open(self, model_id):
+        self.entered += 1
+        assert self.gate.wait(60), "the test never opened the gate"
+        return self.inner.open(model_id)
+
+
+def _post_all(url: str, body: dict, count: int) -> tuple[list, list[threading.Thread]]:
+    """`count` requests at once, each in its own thread; results fill with (status, Retry-After, seconds, JSON)."""
+    results: list = []
+
+    def one() -> None:
+        began = time.monotonic()
+        r = httpx.post(url, json=body, timeout=60)
+        results.append((r.status_code, r.headers.get("retry-after"), time.monotonic() - began, r.json()))
+
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def test_past_every_thread_a_request_is_503_at_once(docs):
+    """A request finding every one of the app's threads held (here 3, each in a slow open) is refused at once, never
+    queued in front of the pool; listing models still answers; once the opens go on, the 3 are answered."""
+    from tests.helpers import wait_until
+
+    provider = _GatedProvider(DocsProvider([docs[0]]))
+    srv = http.start("127.0.0.1", 0, provider=provider, workers=3)
+    body = {"model": "licence.kv", "messages": [{"role": "user", "content": Q1}], "max_tokens": MAX}
+    results, threads = _post_all(srv.base_url + "/chat/completions", body, 8)
+    try:
+        wait_until(lambda: provider.entered == 3 and len(results) == 5, timeout=30)
+        assert all(r[0] == 503 and r[1] == "1" and r[3]["error"]["code"] == "busy" for r in results), results
+        assert max(r[2] for r in results) < 10  # at once, not after the opens
+        assert httpx.get(srv.base_url + "/models", timeout=10).status_code == 200  # listing waits for no answer thread
+        assert provider.entered == 3
+    finally:
+        provider.gate.set()
+        for t in threads:
+            t.join(120)
+    try:
+        answered = [r for r in results if r[0] == 200]
+        assert len(answered) == 3, results
+        assert {r[3]["choices"][0]["message"]["content"] for r in answered} == {_alone(docs, "licence.kv", Q1).answer}
+        r = httpx.post(srv.base_url + "/chat/completions", json=body, timeout=60)  # every thread was given back
+        assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+        provider.warm.close()
+
+
+def test_past_the_queue_while_a_cache_is_restored_is_503_at_once(docs, monkeypatch):
+    """Requests waiting for their cache to be restored count as waiting: past the batch width plus max_queue they are
+    refused at once (503, Retry-After), not held until the restore ends; the ones within it are answered."""
+    from kvcli.engine import answer
+    from tests.helpers import wait_until
+
+    gate, real = threading.Event(), answer.open_session
+    entered = []
+
+    def slow_open(spec, lend):
+        entered.append(spec)
+        assert gate.wait(60), "the test never opened the gate"
+        return real(spec, lend)
+
+    monkeypatch.setattr(answer, "open_session", slow_open)
+    provider = DocsProvider([docs[0]], batch_size=1)
+    srv = http.start("127.0.0.1", 0, provider=provider, max_queue=1)  # 1 decoding + 1 waiting may wait for the restore
+    body = {"model": "licence.kv", "messages": [{"role": "user", "content": Q1}], "max_tokens": MAX}
+    results, threads = _post_all(srv.base_url + "/chat/completions", body, 6)
+    try:
+        wait_until(lambda: len(entered) == 1 and len(results) == 4, timeout=30)
+        assert all(r[0] == 503 and r[1] == "1" and r[3]["error"]["code"] == "busy" for r in results), results
+        assert max(r[2] for r in results) < 10
+    finally:
+        gate.set()
+        for t in threads:
+            t.join(120)
+    try:
+        answered = [r for r in results if r[0] == 200]
+        assert len(answered) == 2 and len(entered) == 1, results
+        assert {r[3]["choices"][0]["message"]["content"] for r in answered} == {_alone(docs, "licence.kv", Q1).answer}
+    finally:
+        srv.stop()
+        provider.warm.close()
+
+
 def test_client_gone_mid_stream_stops_its_generation(server, client, docs):
     _srv, provider = server
     session = provider.open("licence.kv").session

@@ -123,6 +123,90 @@ def test_http_answers_a_sectioned_cache_with_its_sources(cached, plain, alone, t
         srv.stop()
 
 
+def test_http_sections_field_builds_the_request_ask_builds():
+    pytest.importorskip("starlette")
+    from kvcli.serve import openai_api as oa
+
+    body = {"model": "long.kv", "messages": [{"role": "user", "content": Q}]}
+    assert oa.parse_chat(body).sections is None
+    assert oa.parse_chat({**body, "sections": 2}).sections == Sections(count=2)  # ask --sections 2
+    assert oa.parse_chat({**body, "sections": "all"}).sections == Sections(every=True)  # ask --all
+    assert oa.parse_chat({**body, "sections": 1, "recompute": 0.5}).sections == Sections(count=1, recompute=0.5)
+    assert oa.parse_completion({"model": "long.kv", "prompt": Q, "sections": 3}).sections == Sections(count=3)
+    for bad in (0, -1, 1.5, True, "2", "every", [1], {"count": 1}):
+        with pytest.raises(oa.ApiError) as err:
+            oa.parse_chat({**body, "sections": bad})
+        assert err.value.status == 400 and err.value.param == "sections" and '"all"' in err.value.message
+    for bad in (-0.1, 1.5, "0.5"):
+        with pytest.raises(oa.ApiError) as err:
+            oa.parse_chat({**body, "sections": 1, "recompute": bad})
+        assert err.value.status == 400 and err.value.param == "recompute"
+    with pytest.raises(oa.ApiError) as err:
+        oa.parse_chat({**body, "sections": 1, "documents": ["long.kv", "short.kv"]})
+    assert err.value.param == "sections" and "never blended" in err.value.message
+    with pytest.raises(oa.ApiError) as err:
+        oa.parse_chat({**body, "recompute": 0.5})
+    assert err.value.param == "recompute" and "or sections" in err.value.message
+
+
+@pytest.fixture(scope="module")
+def chosen(cached, tiny_model_dir):
+    """In-process answers with the sections chosen by --all and by --sections 1 --recompute 1."""
+    out = {}
+    for extra in (("--all",), ("--sections", "1", "--recompute", "1")):
+        result = run("ask", "-c", cached, "--model", tiny_model_dir, Q, *ASK, *extra, "--no-server")
+        assert result.exit_code == 0, result.stderr
+        out[extra] = json_lines(result.stdout)[0]
+    return out
+
+
+def test_http_chooses_sections_as_ask_does(cached, plain, alone, chosen, tiny_model_dir):
+    """The `sections` field (and `recompute` with it) answers as `ask --sections N`, `--all` and `--recompute F` do: the same
+    answer from the same sections; a cache of one prompt refuses it (400), naming the field."""
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("sse_starlette")
+    httpx = pytest.importorskip("httpx")
+    from kvcli.serve import http
+    from kvcli.serve.docs import DocsProvider
+
+    provider = DocsProvider([cached.parent], model=str(tiny_model_dir))
+    srv = http.start("127.0.0.1", 0, provider=provider)
+    try:
+        url = srv.base_url + "/chat/completions"
+        body = {"model": "long.kv", "messages": [{"role": "user", "content": Q}], "max_tokens": 4}
+        for extra, fields in ((("--sections", "1"), {"sections": 1}), (("--all",), {"sections": "all"}),
+                              (("--sections", "1", "--recompute", "1"), {"sections": 1, "recompute": 1})):
+            want = alone[extra] if extra in alone else chosen[extra]
+            got = httpx.post(url, json={**body, **fields}, timeout=120)
+            assert got.status_code == 200, got.text
+            out = got.json()
+            assert out["choices"][0]["message"]["content"] == want["answer"], extra
+            assert out["kvcli"]["sources"] == want["sources"] and out["kvcli"]["document_share"] == want["document_share"]
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == want["cached_tokens"]
+        assert len(chosen[("--all",)]["sources"]) == 7 > len(alone[("--sections", "1")]["sources"]) == 1
+        streamed = httpx.post(url, json={**body, "sections": 1, "stream": True}, timeout=120)
+        chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+        closing = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert closing[0]["kvcli"]["sources"] == alone[("--sections", "1")]["sources"]
+        text = httpx.post(srv.base_url + "/completions", json={"model": "long.kv", "prompt": Q, "max_tokens": 4, "sections": 1},
+                          timeout=120)
+        assert text.status_code == 200 and text.json()["choices"][0]["text"] == alone[("--sections", "1")]["answer"]
+        refused = httpx.post(url, json={**body, "model": "short.kv", "sections": 1}, timeout=120)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "sections" and "'short.kv' is not a sectioned cache" in error["message"]
+        assert str(cached.parent) not in refused.text
+        refused = httpx.post(url, json={**body, "sections": 0}, timeout=120)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "sections"
+        assert httpx.post(url, json=body, timeout=120).status_code == 200  # no field: the defaults
+        held = [c["path"] for c in provider.warm.status()["caches"]]
+        assert len(held) == 4 and not any("short.kv" in p for p in held), held  # sections 1, all, recompute 1, the defaults
+    finally:
+        srv.stop()
+        provider.warm.close()
+
+
 def test_chains_blends_and_kv_bits_are_refused_saying_why(cached, plain, tiny_model_dir, here):
     doc, short = here / "long.txt", here / "short.txt"
     m = ("--model", tiny_model_dir, "--no-server")
