@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 import typer
+from rich.text import Text  # loaded with rich.console (output.py) anyway
 
 from ..errors import DocumentError, UsageError
 from .output import Output, human_bytes
@@ -27,9 +28,6 @@ def count(
     quiet: QuietOpt = False,
 ) -> int:
     """Tokens, cache size and room left for each document, from the tokenizer and config only (no model run)."""
-    from rich.table import Table
-    from rich.text import Text
-
     from .. import documents
 
     out = Output(quiet=quiet)
@@ -57,16 +55,29 @@ def count(
         for d, message in errors.items():
             out.json_line({"document": d, "error": message})
     elif counts:
-        table = Table("document", "tokens", "cache raw", "on disk (est.)", "room left", "prefill (est.)")
-        for c in counts:
-            room = "-" if c.room is None else (f"{c.room:,}" if c.fits else Text(f"{c.sectioned:,} sections", style="yellow")
-                                              if c.sectioned else Text(f"{c.room:,} (too long)", style="red"))
-            shape = documents.describe({"format": c.format, "pages": c.pages, "sections": c.sections})
-            table.add_row(Text(c.document + (f" ({shape})" if shape else "")), f"{c.tokens:,}", human_bytes(c.bytes_raw), human_bytes(c.bytes_on_disk_estimate),
-                          room, _seconds(c))
-        for d in errors:
-            table.add_row(Text(d), Text("unreadable", style="red"), "-", "-", "-", "-")
-        out.table(table)
+        out.table(_table(counts, errors))
+    return _notes(out, counter, counts, errors, failed=len(failed), given=len(docs))
+
+
+def _table(counts: list, unreadable: dict[str, str]):
+    from rich.table import Table
+
+    from .. import documents
+
+    table = Table("document", "tokens", "cache raw", "on disk (est.)", "room left", "prefill (est.)")
+    for c in counts:
+        room = "-" if c.room is None else (f"{c.room:,}" if c.fits else Text(f"{c.sectioned:,} sections", style="yellow")
+                                          if c.sectioned else Text(f"{c.room:,} (too long)", style="red"))
+        shape = documents.describe({"format": c.format, "pages": c.pages, "sections": c.sections})
+        table.add_row(Text(c.document + (f" ({shape})" if shape else "")), f"{c.tokens:,}", human_bytes(c.bytes_raw), human_bytes(c.bytes_on_disk_estimate),
+                      room, _seconds(c))
+    for d in unreadable:
+        table.add_row(Text(d), Text("unreadable", style="red"), "-", "-", "-", "-")
+    return table
+
+
+def _notes(out: Output, counter, counts: list, errors: dict[str, str], *, failed: int, given: int) -> int:
+    """Notes and errors after the counts (stderr); the exit code: 1 if a document is unreadable or too long."""
     if counter is not None:
         limit = f"{counter.max_positions:,} positions" if counter.max_positions else "no position limit"
         if counter.window and counter.window != counter.max_positions:
@@ -87,8 +98,8 @@ def count(
     if too_long:
         out.error(f"{', '.join(too_long)}: too long for the model (prefill would refuse it)",
                   "count a shorter part, or pick a --model with more positions")
-    if failed and len(docs) > 1:
-        out.error(f"{len(failed)} of {len(docs)} documents could not be read; the others are counted above")
+    if failed and given > 1:
+        out.error(f"{failed} of {given} documents could not be read; the others are counted above")
     return 1 if failed or too_long else 0
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.text import Text  # loaded with rich.console (output.py) anyway
 
 from ..errors import KvcliError
 from .output import Output, human_bytes
@@ -24,11 +25,7 @@ def info(
 
     Reads the manifest alone: no shard is opened, so a missing or damaged shard goes unseen (kvcli verify checks them).
     """
-    from rich.table import Table
-    from rich.text import Text
-
     from ..format import catalog, store
-
     from ..remote import is_url
 
     out = Output()
@@ -36,8 +33,7 @@ def info(
         from ..remote import objects
 
         m = objects.read_manifest(cache)  # the manifest only: nothing else is downloaded
-        s = catalog.summary(objects.redact(cache), m)
-        links = []
+        s, links = catalog.summary(objects.redact(cache), m), []
     else:
         with store.open_cache(cache, shards=False) as opened:  # the chain's manifests, checked link by link
             m, links = opened.manifest, catalog.chain_rows(opened)
@@ -45,11 +41,34 @@ def info(
     if json_out:
         out.json_doc({**s, "chain": links, "layers": catalog.layer_rows(m)})
         return 0
+    from rich.table import Table
+
+    out.table(_head(m, s, links, layers))
+    if s["sections"] is not None:  # the head's layers hold only the prompt's head: the sections say more
+        table = Table("section", "lines", "pages", "tokens", "stored", "headings")
+        for row in s["sections"]:
+            table.add_row(str(row["section"]), f"{row['start_line']}-{row['end_line']}", ", ".join(map(str, row.get("pages", []))) or "-",
+                          f"{row['tokens']:,}", human_bytes(row["bytes_on_disk"]), Text(" / ".join(row["headings"]) or "-"))
+        out.table(table)
+    if layers:
+        table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")
+        for row in catalog.layer_rows(m):
+            table.add_row(str(row["index"]), row["kind"], str(row["sliding_window"] or "-"), f"{row['cached_length']:,}",
+                          human_bytes(row["raw_bytes"]), human_bytes(row["stored_bytes"]), f"{row['ratio']:.1%}")
+        out.table(table)
+    return 0
+
+
+def _head(m, s: dict, links: list, layers: bool):
+    """The cache at a glance: one row per fact, the layers' kinds last."""
+    from rich.table import Table
+
+    from ..documents import describe
+    from ..format import catalog
+
     head = Table.grid(padding=(0, 2))
     for key in ("path", "model", "model_type", "num_tokens", "dtype", "num_layers", "created"):
         head.add_row(key, Text(f"{s[key]:,}" if isinstance(s[key], int) else str(s[key])))
-    from ..documents import describe
-
     shape = describe(m.document)
     head.add_row("document", Text(f"{m.document.get('name')} ({m.document.get('chars'):,} chars" + (f"; {shape})" if shape else ")")))
     if m.document.get("converter"):
@@ -77,21 +96,7 @@ def info(
     head.add_row("layers", Text(", ".join(f"{n} {kind}" for kind, n in kinds.items())
                                 + (f"; stored {min(ratios):.1%}-{max(ratios):.1%} of raw" if ratios else "")
                                 + ("" if layers else " (--layers: each layer)")))
-    out.table(head)
-    if s["sections"] is not None:  # the head's layers hold only the prompt's head: the sections say more
-        table = Table("section", "lines", "pages", "tokens", "stored", "headings")
-        for row in s["sections"]:
-            table.add_row(str(row["section"]), f"{row['start_line']}-{row['end_line']}", ", ".join(map(str, row.get("pages", []))) or "-",
-                          f"{row['tokens']:,}", human_bytes(row["bytes_on_disk"]), Text(" / ".join(row["headings"]) or "-"))
-        out.table(table)
-    if not layers:
-        return 0
-    table = Table("layer", "kind", "window", "cached", "raw", "stored", "ratio")
-    for row in rows:
-        table.add_row(str(row["index"]), row["kind"], str(row["sliding_window"] or "-"), f"{row['cached_length']:,}",
-                      human_bytes(row["raw_bytes"]), human_bytes(row["stored_bytes"]), f"{row['ratio']:.1%}")
-    out.table(table)
-    return 0
+    return head
 
 
 @command

@@ -31,8 +31,7 @@ Extra config (kv_connector_extra_config): `caches` (required), `allow_lossy` (lo
 dequantized; default false), `unchecked` (fingerprint fields not to compare, e.g. ["weights_sha256"]:
 an explicit operator choice), `stats_file` (append one JSON line per match, refusal and load: the
 connector's counters). Per request (SamplingParams(extra_args={"kv_transfer_params": {...}})):
-`{"kvcli": "skip"}` prefills without the connector (benchmarks), `{"kvcli_probe": TAG}` also copies the
-request's KV blocks after its forward to `probe_dir/TAG.pt` (layout tests).
+`{"kvcli": "skip"}` prefills without the connector (benchmarks).
 """
 
 from __future__ import annotations
@@ -78,13 +77,11 @@ class LoadSpec:
     start: int
     end: int
     block_ids: tuple[list[int], ...]  # per KV cache group
-    probe: str | None = None
 
 
 @dataclass
 class KvcliConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
-    probes: list[LoadSpec] = field(default_factory=list)  # requests whose blocks are copied after the forward
 
 
 def _layer_kinds(kv_cache_config: "KVCacheConfig") -> dict[str, tuple[str, int | None, Any, int]]:
@@ -121,7 +118,6 @@ class KvcliConnector(KVConnectorBase_V1):
         self._root = str(extra["caches"])
         self._block_size = vllm_config.cache_config.block_size
         self._stats = cx.stats_writer(extra.get("stats_file"))
-        self._probe_dir = extra.get("probe_dir")
         self._layers = _layer_kinds(kv_cache_config) if kv_cache_config is not None else {}
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config, extra)
@@ -247,8 +243,6 @@ class KvcliConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         params = getattr(request, "kv_transfer_params", None) or {}
         if params.get("kvcli") == "skip":
-            if params.get("kvcli_probe"):
-                self._pending[request.request_id] = LoadSpec(request.request_id, "", "", 0, 0, (), params["kvcli_probe"])
             return 0, False
         ids = list(request.prompt_token_ids or [])
         while True:
@@ -265,15 +259,12 @@ class KvcliConnector(KVConnectorBase_V1):
         if new <= 0:
             return 0, False
         self._pending[request.request_id] = LoadSpec(request.request_id, local, entry.manifest_sha256,
-                                                     num_computed_tokens, n, (), params.get("kvcli_probe"))
+                                                     num_computed_tokens, n, ())
         return new, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        spec = self._pending.get(request.request_id)
-        if spec is None:
-            return
-        if num_external_tokens <= 0 and spec.path:
-            self._pending.pop(request.request_id)  # not loaded after all (e.g. no blocks): nothing to do
+        if num_external_tokens <= 0:
+            self._pending.pop(request.request_id, None)  # not loaded after all (e.g. no blocks): nothing to do
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KvcliConnectorMetadata()
@@ -282,9 +273,7 @@ class KvcliConnector(KVConnectorBase_V1):
             if spec is None:
                 continue
             spec.block_ids = tuple(list(b) for b in new.block_ids)
-            (meta.loads if spec.path else meta.probes).append(spec)
-            if spec.path and spec.probe:
-                meta.probes.append(spec)
+            meta.loads.append(spec)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             spec = self._pending.get(req_id)
@@ -292,8 +281,7 @@ class KvcliConnector(KVConnectorBase_V1):
                 continue
             self._pending.pop(req_id)  # resumed after preemption: new_block_ids are all of its blocks
             spec.block_ids = tuple(list(b) for b in cached.new_block_ids[i])
-            if spec.path:
-                meta.loads.append(spec)
+            meta.loads.append(spec)
         # requests that were matched but not scheduled this step stay pending
         return meta
 
@@ -371,15 +359,7 @@ class KvcliConnector(KVConnectorBase_V1):
         return  # a consumer: kvcli prefill writes caches, vLLM does not
 
     def wait_for_save(self):
-        meta = self._get_connector_metadata()
-        if not isinstance(meta, KvcliConnectorMetadata) or not meta.probes or not self._probe_dir:
-            return
-        for spec in meta.probes:  # test hook: the request's KV blocks as vLLM's buffers hold them after its forward
-            out = {}
-            for name, t in self._kv_caches.items():
-                blocks = spec.block_ids[self._layers[name][3]]
-                out[name] = t[torch.tensor(blocks, dtype=torch.long)].clone()
-            torch.save(out, Path(self._probe_dir) / f"{spec.probe}.pt")
+        return  # nothing is saved (save_kv_layer)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._failed_blocks = self._failed_blocks, set()

@@ -1,8 +1,9 @@
 """Runs inside the vLLM venv (not kvcli's): answers prompts with vLLM, with or without KvcliConnector.
 
 Used by tests/integrations/test_vllm.py and tests/bench/bench_vllm.py: `python tests/bench/vllm_run.py CONFIG.json OUT.json`.
-CONFIG: {"model", "caches" (null: no connector), "stats_file", "probe_dir", "max_tokens", "logprobs", "logprobs_mode"
-(e.g. "raw_logits": the top values are logits), "keep_top",
+CONFIG: {"model", "caches" (null: no connector), "stats_file", "probe_dir" (the connector is vllm_probe.py's
+ProbingConnector, which writes probe_dir/TAG.pt for a request whose params hold {"probe": TAG}), "max_tokens",
+"logprobs", "logprobs_mode" (e.g. "raw_logits": the top values are logits), "keep_top",
 "requests": [{"tag", "ids" | "chat": [messages], "params": {kv_transfer_params}, "max_tokens"?}],
 "steps": [[tag, ...], ...] (requests generated together, one list after the other; default one by one;
 a step {"replace": [SRC, DST]} moves folder SRC over DST first)}.
@@ -27,8 +28,10 @@ def main() -> None:
 
     kw = {}
     if cfg.get("caches"):
+        probing = bool(cfg.get("probe_dir"))  # vllm_probe.py, beside this script (on sys.path)
         kw["kv_transfer_config"] = {
-            "kv_connector": "KvcliConnector", "kv_connector_module_path": "kvcli.integrations.vllm",
+            "kv_connector": "ProbingConnector" if probing else "KvcliConnector",
+            "kv_connector_module_path": "vllm_probe" if probing else "kvcli.integrations.vllm",
             "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"caches": cfg["caches"], "stats_file": cfg.get("stats_file"),
                                           "probe_dir": cfg.get("probe_dir")},

@@ -148,9 +148,9 @@ def runs(corpus):
     requests = [{"tag": t, "ids": prompts[t]["ids"]} for t in prompts]
     plain = _vllm({"model": str(corpus["model"]), "caches": None, "max_tokens": MAX_TOKENS,
                    "requests": requests + [chat]}, root, "plain")
-    probe = {"tag": "probe-own", "ids": prompts["grants-0"]["ids"], "params": {"kvcli": "skip", "kvcli_probe": "own"},
+    probe = {"tag": "probe-own", "ids": prompts["grants-0"]["ids"], "params": {"kvcli": "skip", "probe": "own"},
              "max_tokens": 1}
-    probe_loaded = {"tag": "probe-loaded", "ids": prompts["grants-0"]["ids"], "params": {"kvcli_probe": "loaded"},
+    probe_loaded = {"tag": "probe-loaded", "ids": prompts["grants-0"]["ids"], "params": {"probe": "loaded"},
                     "max_tokens": 1}
     after = {"tag": "after-bad", "ids": prompts["defs-1"]["ids"]}
     replaced = [{"tag": "replaced-1", "ids": prompts["grants-1"]["ids"]}, {"tag": "replaced-2", "ids": prompts["grants-1"]["ids"]}]
@@ -208,6 +208,9 @@ def test_loaded_blocks_equal_the_blocks_vllms_own_prefill_writes(runs):
     loaded = torch.load(runs["root"] / "loaded.pt")
     n = runs["prompts"]["grants-0"]["doc_tokens"] // BLOCK  # whole blocks the connector filled
     assert n >= 2 and set(own) == set(loaded) and len(own) == 30
+    # own.pt: blocks vLLM computed itself; loaded.pt: blocks the connector loaded (tests/bench/vllm_probe.py copies both)
+    assert runs["conn"]["probe-own"]["num_cached_tokens"] == 0
+    assert runs["conn"]["probe-loaded"]["num_cached_tokens"] == n * BLOCK
     worst = 0.0
     for name in own:
         a, b = own[name][:n], loaded[name][:n]
