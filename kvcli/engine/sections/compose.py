@@ -97,8 +97,10 @@ def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: 
                     except CacheCorruptError as exc:
                         raise sec.named(p, exc) from None
                 cos, sin = bl.rotation(lm, start - p.position)
-                for layer, s in zip(cache.layers, states):
-                    layer.update(bl.move_keys(s.keys[:, :, r:], cos, sin), s.values[:, :, r:])
+                keys = bl.move_layers([s.keys[:, :, r:] for s in states], cos, sin)
+                for layer, s, k in zip(cache.layers, states, keys):
+                    layer.update(k, s.values[:, :, r:])
+                del keys
                 slots += range(start + r, start + n)
                 moved += n - r
                 del states
