@@ -43,24 +43,30 @@ def to_host(cache: KVCache, pinned: bool) -> HostCopy:
     return HostCopy(out)
 
 
-def from_host(copy: HostCopy, link: transfer.Link, room: int) -> KVCache:
-    """A device cache from a host copy: every layer's copy queued on the link at once, each layer waiting for its
-    own (as a restore from disk does), `room` spare tokens after full-attention layers' documents."""
+def from_host(copy: HostCopy, link: transfer.Link | None, room: int) -> KVCache:
+    """A cache on link's device from a copy: every layer's copy queued on the link at once, each layer waiting for
+    its own (as a restore from disk does); without a link, copied in place where the copy's tensors are. `room`
+    spare tokens after full-attention layers' documents."""
     built = []
+    device = link.device if link is not None else copy.states[0].keys.device
     for s in copy.states:
         if s.kind == "full":
             layer = FullLayer()
-            k, v = layer.allocate(tuple(s.keys.shape), tuple(s.values.shape), s.keys.dtype, link.device, room)
+            k, v = layer.allocate(tuple(s.keys.shape), tuple(s.values.shape), s.keys.dtype, device, room)
         else:
             layer = SlidingLayer(s.sliding_window)
-            k = torch.empty(s.keys.shape, dtype=s.keys.dtype, device=link.device)
-            v = torch.empty(s.values.shape, dtype=s.values.dtype, device=link.device)
-        link.copy(k, s.keys)
-        link.copy(v, s.values)
-        event = link.record()
+            k = torch.empty(s.keys.shape, dtype=s.keys.dtype, device=device)
+            v = torch.empty(s.values.shape, dtype=s.values.dtype, device=device)
+        if link is None:
+            k.copy_(s.keys)
+            v.copy_(s.values)
+        else:
+            link.copy(k, s.keys)
+            link.copy(v, s.values)
+            event = link.record()
+            layer.arriving(lambda event=event: link.wait(event))
         if s.kind != "full":
             layer.restore(k, v, s.seq_length)
-        layer.arriving(lambda event=event: link.wait(event))
         built.append(layer)
     return KVCache(built)
 

@@ -56,13 +56,23 @@ def prompt_ids(lm: Any, manifest: Any, chosen: list[int]) -> tuple[list[int], li
     return ids, plans
 
 
-def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: int | None = None) -> Composed:
+def restore_head(lm: Any, opened: Any) -> Any:
+    """The sectioned cache's head restored (read and verified) once, as a copy every question's compose starts from
+    (tiers.HostCopy of the layers, on lm's device)."""
+    from ..cache import tiers
+    from ..cache.restore import load_cache
+
+    return tiers.HostCopy(load_cache(opened, device=lm.device, dtype=lm.dtype, room=0).states())
+
+
+def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: int | None = None,
+            head_copy: Any = None) -> Composed:
     """The composed cache of the chosen sections of the sectioned cache `opened` (format.store.OpenedCache, checked
-    against lm), only those sections' shards read."""
+    against lm), only those sections' shards read. head_copy: restore_head's (else the head is read here)."""
     import torch
 
     from ...format import parts, sections as sec
-    from ..cache import blend as bl
+    from ..cache import blend as bl, tiers
     from ..cache.restore import ROOM_TOKENS, load_cache, load_states
     from ..prefilling import DEFAULT_CHUNK
     from ..scheduling.scheduler import engine_for
@@ -77,7 +87,10 @@ def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: 
         raise PromptTooLongError(f"{PromptTooLongError.LEAD}the {len(plans)} sections chosen need {len(ids)} of the "
                                  f"model's {limit} positions")
     extra = ROOM_TOKENS if room is None else room
-    cache = load_cache(opened, device=lm.device, dtype=lm.dtype, room=len(ids) - head + extra)
+    if head_copy is None:
+        cache = load_cache(opened, device=lm.device, dtype=lm.dtype, room=len(ids) - head + extra)
+    else:
+        cache = tiers.from_host(head_copy, None, len(ids) - head + extra)
     slots = list(range(head))  # the prompt position of each cache slot
     run_ids: list[int] = []
     run_pos: list[int] = []

@@ -40,9 +40,9 @@ class SectionedSession:
 
     def __init__(self, lm: Any, opened: Any, how: Sections | None = None, *, session: Any,
                  warnings: Sequence[str] = (), convert_dtype: bool = False):
-        """opened: the sectioned cache (format.store.OpenedCache), already open; its head is restored per question
-        with the sections chosen, which are read from its folder then. session: engine.answer.Session (its
-        `composed` makes each question's); warnings: the cache's, as a Session states them."""
+        """opened: the sectioned cache (format.store.OpenedCache), already open; its head is restored once, by the first
+        question, and each question's chosen sections are read from its folder then. session: engine.answer.Session
+        (its `composed` makes each question's); warnings: the cache's, as a Session states them."""
         from ..cache import blend
         from ..model import fit
 
@@ -68,6 +68,7 @@ class SectionedSession:
         self.load_s = time.perf_counter() - t0
         self._lock = threading.Lock()
         self._plans: dict[str, Plan] = {}
+        self._head: Any = None  # the head's layers restored by the first question (compose.restore_head)
         self._live: list[Any] = []  # the composed Sessions answering now (their buffers are this session's memory)
         self.stats = {"asked": 0, "steps": 0, "peak_rows": 0}  # summed over the composed Sessions, as a Session's
 
@@ -142,7 +143,10 @@ class SectionedSession:
         """The Session (engine/answer.py) of `question`'s composed prompt, and its plan."""
         t0 = time.perf_counter()
         plan = self.plan(question)
-        made = cp.compose(self.lm, self.opened, plan.choice.chosen, self.how.recompute)
+        with self._lock:
+            if self._head is None:  # read and verified once: every question's prompt starts with it
+                self._head = cp.restore_head(self.lm, self.opened)
+        made = cp.compose(self.lm, self.opened, plan.choice.chosen, self.how.recompute, head_copy=self._head)
         parts = self.manifest.sections
         blended = {"documents": len(made.chosen), "recompute": made.recompute, "recomputed_tokens": made.recomputed_tokens,
                    "moved_tokens": made.moved_tokens, "caches": [str(self.path)], "sections": list(made.chosen),
