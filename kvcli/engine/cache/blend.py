@@ -100,12 +100,12 @@ def rotation(lm: Any, offset: int):
 
 def move_keys(keys, cos, sin):
     """Keys [b, h, n, d] rotated by the angle whose cos/sin [d] are given (rotate_half layout), in float32."""
-    import torch
-
     k = keys.float()
     half = k.shape[-1] // 2
-    turned = torch.cat((-k[..., half:], k[..., :half]), dim=-1)  # rotate_half: (x1, x2) -> (-x2, x1)
-    return (k * cos + turned * sin).to(keys.dtype)
+    out = k * cos  # plus rotate_half(k) * sin, rotate_half: (x1, x2) -> (-x2, x1), in place by halves
+    out[..., :half].addcmul_(k[..., half:], sin[:half], value=-1)
+    out[..., half:].addcmul_(k[..., :half], sin[half:])
+    return out.to(keys.dtype)
 
 
 def move_layers(keys: list, cos, sin) -> list:
