@@ -60,3 +60,12 @@ def test_a_lone_slow_step_is_noise_and_tries_nothing():
     spiky = lambda way, i: (0.2 if i % 5 == 4 else 0.07) if way else 0.3  # noqa: E731  every 5th step is slow
     picked = run(ways, 120, spiky)
     assert tries(picked, True) == [2, 6, 14, 30, 62]
+
+
+def test_three_ways_the_fastest_runs_and_the_others_are_tried_in_turn():
+    ways = Faster(every=4, most=16, ways=("split", "whole", "sleep"))
+    picked = run(ways, 40, lambda way, _i: {"split": 0.048, "whole": 0.045, "sleep": 0.066}[way])
+    assert picked[:3] == ["split", "whole", "sleep"]
+    assert ways.best() == "whole"
+    others = [way for way in picked[3:] if way != "whole"]
+    assert others and others == ["split", "sleep", "split", "sleep"][: len(others)]  # the one tried longest ago first

@@ -4,12 +4,12 @@ For a model whose batched (cascade) path was not proven exact when it loaded (en
 engine decodes each document's rows through this one at a time: the same rows, choosers, streams and
 counts as engine/decoding/batch.py's BatchDecoder, on the Session's KVCache (rewound to the document after each
 row, so nothing is copied), with the attention kernels plain generate() would use. A one-row step on several
-torch threads runs one of two ways, whichever its steps measure faster (engine/model/cpu.py's Faster, kept by
+torch threads runs one of three ways, whichever its steps measure fastest (engine/model/cpu.py's Faster, kept by
 the engine's CpuTuning): the engine's OpenMP workers spin between parallel regions and float32 products are split
-across the cores (engine/model/linear.py), or the workers sleep (CpuTuning.pool_beside) and each product runs as
-torch runs it. Spinning wins on idle cores;
-sleeping wins beside busy processes, where a spinning worker waits for a peer the OS has not scheduled. Both
-ways give the same bits.
+across the cores (engine/model/linear.py), or they spin and each product runs as torch runs it, or the workers
+sleep (CpuTuning.pool_beside) and products run whole. Spinning wins on idle cores, split or whole depending on the
+CPU; sleeping wins beside busy processes, where a spinning worker waits for a peer the OS has not scheduled. All
+give the same bits.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .protocol import Row, RowQueue, take
-from ..model.cpu import CpuTuning
+from ..model.cpu import SLEEP, SPLIT, CpuTuning
 from ..model.linear import pool_beside_helps, split_rows_helps
 
 
@@ -35,7 +35,7 @@ class OneRowDecoder(RowQueue):
         self._keep = {"logits_to_keep": 1} if self.keeps_logits else {}  # the lm head at the last id only
         self.split = split_rows_helps(model)  # float32 products that split_rows can cut
         self.cpu = cpu or CpuTuning()  # the engine's: its ways carry the times over from earlier rows
-        self.ways = self.cpu.ways if pool_beside_helps(model) else None  # True: workers spin (products split), False: they sleep
+        self.ways = self.cpu.ways if pool_beside_helps(model) else None  # SPLIT, WHOLE or SLEEP (engine/model/cpu.py)
 
     def _leave(self, row: Row) -> None:
         self.cache.rewind()
@@ -60,9 +60,9 @@ class OneRowDecoder(RowQueue):
             try:
                 way = self.ways.pick() if self.ways is not None and len(ids) == 1 else None
                 if way is not None:
-                    self.cpu.pool_beside(not way)
+                    self.cpu.pool_beside(way == SLEEP)
                 t0 = time.perf_counter()
-                with self.cpu.split_rows(bool(way) and self.split):
+                with self.cpu.split_rows(way == SPLIT and self.split):
                     out = self.model(input_ids=input_ids, attention_mask=mask, cache=self.cache, use_cache=True,
                                      **self._keep)
                 if way is not None:

@@ -11,21 +11,27 @@ from __future__ import annotations
 import queue
 import threading
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
 from . import linear, openmp
 
+# The ways a one-row step can run (Faster picks): workers spinning with SplitLinear's products split across them,
+# spinning with products whole, or sleeping (a pool beside the engine's) with products whole.
+SPLIT, WHOLE, SLEEP = "split", "whole", "sleep"
+
 
 class CpuTuning:
     """release(): this thread is about to wait while another computes (its OpenMP pool goes: openmp.py).
-    ways: which way one-row steps run faster here (Faster), measured across every row of the engine's model.
+    ways: which way one-row steps run fastest here (Faster over SPLIT, WHOLE, SLEEP), measured across every row of
+    the engine's model.
     split_rows(on): a `with` block in which SplitLinear's one-row products split across the threads.
     pool_beside(on): an OpenMP pool held by a helper thread beside the engine's (workers sleep), or none (they spin).
     close(): the helper thread, if any, gives its pool back and ends."""
 
     def __init__(self) -> None:
-        self.ways = Faster()
+        self.ways = Faster(ways=(SPLIT, WHOLE, SLEEP))
         self.same_bits: dict[tuple, bool] = {}  # (weight shape, bias or not) -> split_product gave linear's bits
         self._jobs: queue.SimpleQueue | None = None  # the helper thread's, once pool_beside first ran
         self._pool_on = False  # the helper holds an OpenMP pool of its own
@@ -82,41 +88,46 @@ def _open_pool() -> None:
 
 
 class Faster:
-    """Which of two ways of running a step is faster here and now, by the steps' own times (both give the same
-    bits, so the choice never changes an answer). Each way is tried once, then the way with the lower median of
-    its last few steps runs, and the other is tried again now and then: first after `every` steps, each time it
+    """Which of a few ways of running a step is fastest here and now, by the steps' own times (all give the same
+    bits, so the choice never changes an answer). Each way is tried once, then the way with the lowest median of
+    its last few steps runs, and another (the one tried longest ago) is tried again now and then: first after `every` steps, each time it
     loses again after twice as many, up to `most` (a try costs one slow step, so a machine that stays as it is
     pays for few of them). Two running steps in a row that take `jump` times the way's median (the machine got
     busier; one such step is noise) have the other tried at the next step, against the last one's time. A try
     that wins takes over at once (the older times are of another state of the machine), and the next try comes
     after `every` steps again."""
 
-    def __init__(self, every: int = 16, most: int = 256, keep: int = 5, jump: float = 1.5):
+    def __init__(self, every: int = 16, most: int = 256, keep: int = 5, jump: float = 1.5, ways: tuple = (True, False)):
         self.every, self.most, self.keep, self.jump = every, most, keep, jump
-        self.times: dict[bool, list[float]] = {True: [], False: []}  # way -> its last `keep` step times, s
+        self.times: dict[Any, list[float]] = {way: [] for way in ways}  # way -> its last `keep` step times, s
+        self.tried: dict[Any, int] = {}  # way -> the step it was last tried at
         self.steps = 0
         self.gap = every  # steps from a try of the other way to the next
         self.due = 0  # the step at which the other way is tried next
         self.slow = 0  # the running way's last steps in a row that took `jump` times its median
         self.jumped = False  # two of them: the next step tries the other way, held against the last one's time
 
-    def _median(self, way: bool) -> float:
+    def _median(self, way: Any) -> float:
         times = sorted(self.times[way])
         return times[len(times) // 2]
 
-    def best(self) -> bool:
+    def best(self) -> Any:
         return min(self.times, key=self._median)
 
-    def pick(self) -> bool:
+    def pick(self) -> Any:
         self.steps += 1
-        for way in (True, False):
-            if not self.times[way]:
+        for way, times in self.times.items():
+            if not times:
                 return way
         best = self.best()
-        return (not best) if self.steps >= self.due else best
+        if self.steps < self.due:
+            return best
+        other = min((w for w in self.times if w != best), key=lambda w: self.tried.get(w, -1))
+        self.tried[other] = self.steps
+        return other
 
-    def record(self, way: bool, seconds: float) -> None:
-        if not self.times[way] or not self.times[not way]:  # a way's first time: nothing to compare yet
+    def record(self, way: Any, seconds: float) -> None:
+        if not all(self.times.values()):  # a way's first time: nothing to compare yet
             self.times[way].append(seconds)
             self.due = self.steps + self.every
             return
