@@ -106,6 +106,7 @@ def main() -> None:
     from kvcli.engine.decoding.batch import eos_ids
     from kvcli.engine.decoding.protocol import Row
     from kvcli.engine.decoding.solo import OneRowDecoder
+    from kvcli.engine.model.cpu import SLEEP, SPLIT, WHOLE
 
     lm = kvcli.load(args.model, weights=args.weights, dtype=args.dtype)
     tag = f"{Path(args.model).stem if args.model else 'default'}-{args.weights}-{str(lm.dtype).removeprefix('torch.')}"
@@ -132,14 +133,15 @@ def main() -> None:
         d.step()  # the question's own ids
         for _ in range(3):
             d.step()
-        chooser, steps = d.ways, {"as shipped": [], "spin, split": [], "sleep, unsplit": []}
+        chooser, steps = d.ways, {"as shipped": [], "spin, split": [], "spin, whole": [], "sleep, whole": []}
 
         class Fixed:  # one way every step, in place of the decoder's chooser
             def __init__(self, way):
                 self.pick, self.record = (lambda: way), (lambda *_: None)
 
-        for _ in range(3):  # as shipped (the faster way), always spin and split, always sleep unsplit; taking turns
-            for way, fixed in (("as shipped", chooser), ("spin, split", Fixed(True)), ("sleep, unsplit", Fixed(False))):
+        for _ in range(3):  # as shipped (the fastest way), then each way every step; taking turns
+            for way, fixed in (("as shipped", chooser), ("spin, split", Fixed(SPLIT)), ("spin, whole", Fixed(WHOLE)),
+                               ("sleep, whole", Fixed(SLEEP))):
                 d.ways = fixed if chooser is not None else None
                 steps[way].append(median_ms(d.step, args.steps))
         d.ways = chooser

@@ -310,8 +310,8 @@ def test_questions_at_once_count_only_their_own_tokens(threaded):
 
 
 # ---------------------------------------------------------------------------------------------------
-# One question's steps taking either way (engine/decoding/solo.py): workers spinning and products split
-# across the threads, or workers sleeping beside a pool and products whole
+# One question's steps taking each way (engine/decoding/solo.py): workers spinning and products split across
+# the threads, spinning and products whole, or workers sleeping beside a pool and products whole
 # ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])  # full attention: the lone row decodes solo; biased q/k/v; q/k norms
@@ -320,7 +320,7 @@ def test_steps_split_or_not_give_generates_tokens(tokenizer, tmp_path, monkeypat
 
     monkeypatch.setattr(linear, "SPLIT_MIN", 1)  # the tiny models' products split too, in parts of 16 rows
     monkeypatch.setattr(linear, "ROWS", 16)
-    ways = iter([True, True, False] * 20)
+    ways = iter([cpu.SPLIT, cpu.SPLIT, cpu.SLEEP, cpu.WHOLE] * 20)
     monkeypatch.setattr(cpu.Faster, "pick", lambda self: next(ways))
     split, beside, owners = [], [], []
     real_split, real_beside = linear.split_product, cpu.CpuTuning.pool_beside
