@@ -65,15 +65,32 @@ def restore_head(lm: Any, opened: Any) -> Any:
     return tiers.HostCopy(load_cache(opened, device=lm.device, dtype=lm.dtype, room=0).states())
 
 
+def _move_section(lm: Any, opened: Any, part: Any, r: int, start: int, cache: Any) -> None:
+    """Append section `part`'s stored keys/values after its first r tokens to every layer of `cache`, the keys
+    rotated from where they were computed to `start` on (only this section's shards read; a damaged one named)."""
+    from ...format import parts, sections as sec
+    from ..cache import blend as bl
+    from ..cache.restore import load_states
+
+    with parts.open_part(opened.path, opened.manifest, part.index) as stored:
+        try:
+            states = load_states(stored, device=lm.device, dtype=lm.dtype, room=0)
+        except CacheCorruptError as exc:
+            raise sec.named(part, exc) from None
+    cos, sin = bl.rotation(lm, start - part.position)
+    keys = bl.move_layers([s.keys[:, :, r:] for s in states], cos, sin)  # each [b, kv_heads, n - r, head_dim]
+    for layer, s, k in zip(cache.layers, states, keys):
+        layer.update(k, s.values[:, :, r:])
+
+
 def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: int | None = None,
             head_copy: Any = None) -> Composed:
     """The composed cache of the chosen sections of the sectioned cache `opened` (format.store.OpenedCache, checked
     against lm), only those sections' shards read. head_copy: restore_head's (else the head is read here)."""
     import torch
 
-    from ...format import parts, sections as sec
     from ..cache import blend as bl, tiers
-    from ..cache.restore import ROOM_TOKENS, load_cache, load_states
+    from ..cache.restore import ROOM_TOKENS, load_cache
     from ..prefilling import DEFAULT_CHUNK
     from ..scheduling.scheduler import engine_for
 
@@ -104,19 +121,9 @@ def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: 
             run_ids += glue + p.token_ids[:r]
             run_pos += list(range(start - len(glue), start + r))
             if r < n:
-                with parts.open_part(opened.path, m, p.index) as part:
-                    try:
-                        states = load_states(part, device=lm.device, dtype=lm.dtype, room=0)
-                    except CacheCorruptError as exc:
-                        raise sec.named(p, exc) from None
-                cos, sin = bl.rotation(lm, start - p.position)
-                keys = bl.move_layers([s.keys[:, :, r:] for s in states], cos, sin)
-                for layer, s, k in zip(cache.layers, states, keys):
-                    layer.update(k, s.values[:, :, r:])
-                del keys
+                _move_section(lm, opened, p, r, start, cache)
                 slots += range(start + r, start + n)
                 moved += n - r
-                del states
         engine = engine_for(lm)
         for at in range(0, len(run_ids), DEFAULT_CHUNK):
             q_pos = torch.tensor(run_pos[at : at + DEFAULT_CHUNK], device=lm.device)  # [q]
