@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SAMPLES
+from tests.conftest import SAMPLES
 from tests.helpers import converted_default_model, REPO
 
 VLLM_PYTHON = os.environ.get("KVCLI_VLLM_PYTHON")
