@@ -120,17 +120,16 @@ def _ask(out: Output, request, *, server: Optional[bool], look: Look) -> int:
 
 
 def _sectioned(caches: list[str], *, remote: bool = False) -> bool:
-    """Whether any cache given is sectioned. A local one holds its first section's folder (nothing opened or parsed
-    here, so a cache is read once, where it is opened, which also reports a broken one); one at a URL is asked only
-    with remote (options that choose sections were given): its manifest says, and one that cannot be read is left
-    to the fetch to report."""
+    """Whether any cache given is sectioned: a local one by its folders (format.sections.is_sectioned); one at a URL
+    is asked only with remote (options that choose sections were given): its manifest says, and one that cannot be
+    read is left to the fetch to report."""
     from ..errors import KvcliError
-    from ..format.sections import section_dir
+    from ..format.sections import is_sectioned
     from ..remote import is_url
 
     for c in caches:
         if not is_url(c):
-            if (Path(c) / section_dir(0)).is_dir():
+            if is_sectioned(Path(c)):
                 return True
         elif remote:
             from ..remote import objects

@@ -73,7 +73,7 @@ class RemoteTarget:
         """The manifest there, if it parses and every shard it names is present at its size."""
         try:
             m = objects.read_manifest(self.url)
-            sizes = objects.stored_sizes(self.url) if m.sections is not None else objects.shard_sizes(self.url)
+            sizes = objects.stored_sizes(self.url)
         except KvcliError:
             return None
         if any(sizes.get(rel) != e.stored_bytes for rel, e, _part in objects.shards(m)):

@@ -31,6 +31,12 @@ def is_section_dir(name: str) -> bool:
     return bool(_DIR.match(name))
 
 
+def is_sectioned(folder: Any) -> bool:
+    """Whether a local cache folder is a sectioned cache (it holds its first section's folder): nothing is opened or
+    parsed, so the cache is read once, where it is opened, which also reports a broken one."""
+    return (folder / section_dir(0)).is_dir()
+
+
 def section_dir(index: int) -> str:
     """The one folder name section `index` may have."""
     return f"s{index:04d}"

@@ -79,13 +79,6 @@ def read_manifest(url: str) -> mf.Manifest:
     return mf.parse(manifest_bytes(url), redact(join(url, mf.MANIFEST_NAME)))
 
 
-def shard_sizes(url: str) -> dict[str, int]:
-    """File name -> size of the objects directly under `url`."""
-    fs, path = filesystem(url)
-    with failures(url):
-        return {_basename(e["name"]): int(e.get("size") or 0) for e in fs.ls(path, detail=True) if e.get("type") != "directory"}
-
-
 def stored_sizes(url: str) -> dict[str, int]:
     """Path relative to `url` -> size of every object under it, section folders included."""
     fs, path = filesystem(url)

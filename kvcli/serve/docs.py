@@ -102,12 +102,12 @@ class WarmProvider:
         return catalog_ids(self.folders)
 
     def open(self, model_id: str, sections: Sections | None = None) -> Opened | None:
-        from ..format.sections import section_dir
+        from ..format.sections import is_sectioned
 
         path = resolve(self.folders, model_id)
         if path is None:
             return None
-        if (path / section_dir(0)).is_dir():  # sectioned (as `kvcli ask` tells, opening nothing): its choice as ask builds it
+        if is_sectioned(path):  # its choice of sections as `kvcli ask` builds it
             sections = sections or Sections()  # the one warm entry a socket client's `ask` uses too
         elif sections is not None:
             raise NotSectioned(f"'{model_id}' is not a sectioned cache (a document longer than the window): sections "
