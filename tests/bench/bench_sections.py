@@ -14,7 +14,7 @@ the documents, each with the phrase that holds its answer and a pattern a right 
 - prefill time (the model's forward passes) and disk per token against the plain cache of the same document.
 
 Not part of the test run. Usage: python tests/bench/bench_sections.py [--window 1024] [--recompute 0.15] [--new 32]
-[--repeats N] [--prefill-only] [--json OUT]
+[--repeats N] [--prefill-only] [--json OUT] [--model PATH_OR_ID] [--threads N]
 """
 
 from __future__ import annotations
@@ -105,15 +105,16 @@ def first_token_recomputed(lm, ids: list[int]) -> float:
 
 def first_token_sectioned(lm, opened, chosen: list[int], share: float, question: str, head) -> tuple[float, list[int]]:
     """Seconds to compose the chosen sections (restore, move, recompute the share) after the head restored once per
-    cache (`head`, as a session keeps it), and run the question to its first token's logits; the composed prompt's
-    ids with the question."""
+    cache (`head`, as a session keeps it), and run the question to its first token's logits, as a session does (the
+    last recomputed tokens in the question's pass); the composed prompt's ids with the question."""
     t0 = time.perf_counter()
-    made = cp.compose(lm, opened, chosen, share, head_copy=head)
+    made = cp.compose(lm, opened, chosen, share, head_copy=head, defer=True)
     q = fr.question_ids(lm.tokenizer, made.framing, question, made.token_ids)
     n = len(made.token_ids)
+    inputs = made.cache.forward_inputs(q, lm.device) or {"input_ids": torch.tensor([q]),
+                                                          "position_ids": torch.arange(n, n + len(q))[None]}
     with torch.inference_mode():
-        lm.model(input_ids=torch.tensor([q]), position_ids=torch.arange(n, n + len(q))[None], cache=made.cache,
-                 use_cache=True, logits_to_keep=1).logits.argmax(-1)
+        lm.model(**inputs, cache=made.cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
     return time.perf_counter() - t0, made.token_ids + q
 
 
@@ -133,8 +134,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
     ap.add_argument("--repeats", type=int, default=1, help="prefills of each kind per document (the least time is kept)")
     ap.add_argument("--prefill-only", action="store_true", help="measure prefill time and disk only")
+    ap.add_argument("--model", default=None, help="a model as `--model` takes it (default: kvcli's default model)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = ap.parse_args()
-    lm = kvcli.load()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = kvcli.load(args.model)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="bench-sections-warm-") as tmp:  # the first forward passes pay one-time costs
         pf.prefill(lm, decode((LICENSES / "MPL-2.0").read_text(encoding="utf-8")[:4000].encode(), "warm.txt"), Path(tmp) / "w.kv")
@@ -191,7 +196,7 @@ def main() -> None:
         return
     n = len(rows)
     summary = {
-        "questions": n, "window": args.window, "recompute": args.recompute,
+        "model": lm.fingerprint["name"], "questions": n, "window": args.window, "recompute": args.recompute,
         "recall": sum(r["recall"] for r in rows),
         "right": {k: sum(r["right"][k] for r in rows) for k in ("sectioned", "recompute", "truncated")},
         "ttft_ratio_median": {str(s): round(statistics.median(r["ttft_s"][str(s)] / r["ttft_recompute_s"] for r in rows), 3)

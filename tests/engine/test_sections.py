@@ -272,6 +272,45 @@ def test_everything_recomputed_equals_a_prefill_of_the_composed_ids(tokenizer, h
     torch.testing.assert_close(cached, full, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chosen", [[0, 2, 4], [1, 3]])
+def test_recomputed_tokens_left_pending_run_in_the_questions_pass(tiny_lm, sectioned, chosen):
+    """compose(defer=True) leaves the last recomputed tokens on the cache for the question's own forward pass: the
+    same logits as composing them first, and through Sessions the same greedy answers, one question or several
+    together (a batch settles them first), and again after the first question (they are the document's then)."""
+    out, _r = sectioned
+    with store.open_cache(out) as opened:
+        whole = compose.compose(tiny_lm, opened, chosen, 0.3)
+        folded = compose.compose(tiny_lm, opened, chosen, 0.3, defer=True)
+        again = [compose.compose(tiny_lm, opened, chosen, 0.3, defer=True) for _ in range(2)]
+    pending = folded.cache.pending
+    assert whole.cache.pending is None and pending is not None and folded.token_ids == whole.token_ids
+    assert len(pending.ids) == whole.recomputed_tokens == folded.recomputed_tokens  # one chunk: all of them pending
+    assert folded.cache.get_seq_length() + len(pending.ids) == len(whole.token_ids)
+    q = tiny_lm.tokenizer("What is this?", add_special_tokens=False)["input_ids"]
+    n = len(whole.token_ids)
+    with torch.inference_mode():
+        a = tiny_lm.model(input_ids=torch.tensor([q]), position_ids=torch.arange(n, n + len(q))[None], cache=whole.cache,
+                          use_cache=True).logits[0, -1]
+        b = tiny_lm.model(**folded.cache.forward_inputs(q, tiny_lm.device), cache=folded.cache, use_cache=True).logits[0, -1]
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    folded.cache.settled()
+    assert folded.cache.pending is None and {layer.mark for layer in folded.cache.layers} == {n}
+
+    def session(made):
+        return kvcli.Session.composed(tiny_lm, out, store.read_manifest(out), made, blended={})
+
+    options = kvcli.GenerationOptions(max_new_tokens=6)
+    questions = ["What is this?", "Who pays for patent litigation?"]
+    with store.open_cache(out) as opened:
+        reference = session(compose.compose(tiny_lm, opened, chosen, 0.3)).ask_many(questions, options, batch_size=1)
+    one = session(again[0])
+    first = one.ask(questions[0], options)
+    assert one.cache.pending is None and first.processed_tokens == reference[0].processed_tokens
+    assert [first.answer_token_ids, one.ask(questions[1], options).answer_token_ids] == [r.answer_token_ids for r in reference]
+    together = session(again[1]).ask_many(questions, options)
+    assert [a.answer_token_ids for a in together] == [r.answer_token_ids for r in reference]
+
+
 def test_session_answers_with_sources(tiny_lm, sectioned):
     out, _r = sectioned
     with store.open_cache(out) as opened:

@@ -11,6 +11,7 @@ the counted length). A restored document is a cache whose `mark` is the document
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -201,17 +202,60 @@ class SlidingLayer(DynamicSlidingWindowLayer):
         return self._doc[2] if self._doc is not None else 0
 
 
+@dataclass
+class Pending:
+    """Prompt tokens whose keys/values are still to be computed, run in front of the next forward pass's ids (a
+    composed prompt's recomputed tokens, engine/sections/compose.py; one pass then reads the weights for both):
+    their ids and prompt positions, and the prompt position of each slot already in the cache (not in order)."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+
+    def inputs(self, ids: list[int], device: Any) -> dict[str, torch.Tensor]:
+        """model(**inputs) for the pending tokens then `ids` (which follow the whole prompt): input_ids and
+        position_ids [1, p + q], attention_mask [1, 1, p + q, slots + p + q] letting each token see exactly the
+        tokens before it in the prompt (the cache's slot order is not the prompt's)."""
+        n = len(self.slots) + len(self.ids)
+        q_pos = torch.tensor(self.positions + list(range(n, n + len(ids))), device=device)  # [p + q]
+        k_pos = torch.cat([torch.tensor(self.slots, device=device), q_pos])  # [slots + p + q]
+        return {"input_ids": torch.tensor([self.ids + list(ids)], device=device), "position_ids": q_pos[None],
+                "attention_mask": (k_pos[None, :] <= q_pos[:, None])[None, None]}
+
+
 class KVCache(Cache):
     """kvcli's cache: one FullLayer or SlidingLayer per decoder layer, and the tokens it has processed.
 
     `processed` counts the tokens that went through layer 0's update since the last rewind: the tokens
     the model actually ran for this cache (per cache object, so concurrent questions count their own).
+    `pending`: the document's tokens still to compute (Pending), run by the next forward pass (forward_inputs).
     """
 
     def __init__(self, layers: list[FullLayer | SlidingLayer]):
         super().__init__(layers=layers)
         self.processed = 0
         self.restore_stats = None  # restore.RestoreStats of the restore that made it
+        self.pending: Pending | None = None
+
+    def forward_inputs(self, ids: list[int], device: Any) -> dict[str, torch.Tensor] | None:
+        """model(**inputs) with the pending tokens in front of `ids`; None when none are pending (the caller's own
+        inputs then). After that pass returns, settled() makes them the document's."""
+        return self.pending.inputs(ids, device) if self.pending is not None else None
+
+    def settled(self) -> None:
+        """The pending tokens went through a forward pass (in front of others): they are the document's now, kept
+        by rewind(), and not counted as processed for the question that ran them."""
+        done, self.pending = self.pending, None
+        self.processed -= len(done.ids)
+        for layer in self.layers:
+            layer.mark += len(done.ids)
+
+    def settle(self, model: Any) -> None:
+        """Run the pending tokens alone (before a batch reads the document's states); the caller holds the model."""
+        if self.pending is not None:
+            with torch.inference_mode():
+                model(**self.forward_inputs([], model.device), cache=self, use_cache=True, logits_to_keep=1)
+            self.settled()
 
     @classmethod
     def for_plan(cls, plan: list[tuple[str, int | None]], reserve: int = 0) -> "KVCache":

@@ -70,6 +70,7 @@ class LoneOrBatchDecoder:
             self.last_rows = self.solo.last_rows
             return finished
         if self.batch is None or not self.batch.busy:  # a new batch over the document's views as they are now
+            self.kv.settle(self.model)  # tokens still pending (none once the lone row has run) are the document's
             self.batch = BatchDecoder(self.model, self.kv.states(), width=self.width, eos=self.eos,
                                       pad_id=self.pad_id, length=self.length)
         if self.solo.active:

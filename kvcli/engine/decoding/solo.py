@@ -29,7 +29,9 @@ class OneRowDecoder(RowQueue):
     rewound to the document whenever a row leaves."""
 
     def __init__(self, model: Any, cache: Any, *, eos: set[int], length: int | None = None, cpu: CpuTuning | None = None):
-        super().__init__(model, cache.states(wait=False), eos, length)  # lengths only: each layer waits for its restore when read
+        pending = len(cache.pending.ids) if cache.pending else 0  # the document's tokens the first row's pass runs
+        # lengths only: each layer waits for its restore when read
+        super().__init__(model, cache.states(wait=False), eos, None if length is None else length - pending)
         self.cache = cache
         self.device = model.device
         self._keep = {"logits_to_keep": 1} if self.keeps_logits else {}  # the lm head at the last id only
@@ -48,25 +50,29 @@ class OneRowDecoder(RowQueue):
                     return []
                 row = self.waiting.pop(0)
                 self.cache.rewind()
-                self.cache.ensure(len(row.appended) + row.max_new)  # the question and its whole answer: grown once, if at all
+                pending = len(self.cache.pending.ids) if self.cache.pending else 0
+                self.cache.ensure(pending + len(row.appended) + row.max_new)  # grown once, if at all
                 self.active = [row]
                 ids = row.appended
             else:
                 row = self.active[0]
                 ids = [row.answer[-1]]
-            input_ids = torch.tensor([ids], device=self.device)  # [1, q]
-            # every position so far, as generate() passes it: prompt + answer ids
-            mask = torch.ones((1, len(row.prompt) + len(row.answer)), dtype=torch.long, device=self.device)
+            # the document's pending tokens in front of a question's ids (one pass for both: kvcache.Pending), else
+            # the ids [1, q] and every position so far as generate() passes it: prompt + answer ids
+            inputs = self.cache.forward_inputs(ids, self.device) if ids is row.appended else None
+            inputs = inputs or {"input_ids": torch.tensor([ids], device=self.device), "attention_mask": torch.ones(
+                (1, len(row.prompt) + len(row.answer)), dtype=torch.long, device=self.device)}
             try:
-                way = self.ways.pick() if self.ways is not None and len(ids) == 1 else None
+                way = self.ways.pick() if self.ways is not None and inputs["input_ids"].shape[1] == 1 else None
                 if way is not None:
                     self.cpu.pool_beside(way == SLEEP)
                 t0 = time.perf_counter()
                 with self.cpu.split_rows(way == SPLIT and self.split):
-                    out = self.model(input_ids=input_ids, attention_mask=mask, cache=self.cache, use_cache=True,
-                                     **self._keep)
+                    out = self.model(**inputs, cache=self.cache, use_cache=True, **self._keep)
                 if way is not None:
                     self.ways.record(way, time.perf_counter() - t0)
+                if "position_ids" in inputs:
+                    self.cache.settled()
             except BaseException:  # the row stays held (waiting again, or active) for the caller to drop
                 self.cache.rewind()
                 if ids is row.appended:

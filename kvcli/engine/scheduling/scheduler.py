@@ -209,6 +209,7 @@ class Engine:
         if LoneOrBatchDecoder.suits(session.cache):  # a lone row on the model's own attention; joined, batched
             return LoneOrBatchDecoder(self.lm.model, session.cache, width=width, eos=self.eos, pad_id=self.pad_id,
                                       length=length, cpu=self.cpu)
+        session.cache.settle(self.lm.model)  # the batch reads the document's states: none left pending
         return batch.BatchDecoder(self.lm.model, session.states, width=width, eos=self.eos, pad_id=self.pad_id, length=length)
 
     def _take_in(self) -> tuple[list[tuple[Any, Decoder]], _Turn | None]:

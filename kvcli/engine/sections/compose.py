@@ -8,7 +8,9 @@ before it; the first section composed, right after the head, has none before it 
 it would only trade its primer for nothing; at f = 1 it is recomputed, so that the prompt is exact). All the
 recomputed tokens of all sections run in one forward pass at their true positions: the moved keys are put in the
 cache first, and a mask lets each recomputed token see exactly the tokens before it in the prompt (the cache's
-order of slots is not the prompt's; attention depends only on positions and the mask).
+order of slots is not the prompt's; attention depends only on positions and the mask). With `defer`, the last of
+those passes (up to a chunk of tokens) is left pending on the cache (kvcache.Pending): the question's own first pass
+runs them in front of its ids, so a question reads the weights once instead of twice.
 """
 
 from __future__ import annotations
@@ -84,12 +86,14 @@ def _move_section(lm: Any, opened: Any, part: Any, r: int, start: int, cache: An
 
 
 def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: int | None = None,
-            head_copy: Any = None) -> Composed:
+            head_copy: Any = None, defer: bool = False) -> Composed:
     """The composed cache of the chosen sections of the sectioned cache `opened` (format.store.OpenedCache, checked
-    against lm), only those sections' shards read. head_copy: restore_head's (else the head is read here)."""
+    against lm), only those sections' shards read. head_copy: restore_head's (else the head is read here). defer:
+    the last chunk of recomputed tokens left pending on the cache, for the next forward pass (the question's)."""
     import torch
 
     from ..cache import blend as bl, tiers
+    from ..cache.kvcache import Pending
     from ..cache.restore import ROOM_TOKENS, load_cache
     from ..prefilling import DEFAULT_CHUNK
     from ..scheduling.scheduler import engine_for
@@ -125,7 +129,8 @@ def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: 
                 slots += range(start + r, start + n)
                 moved += n - r
         engine = engine_for(lm)
-        for at in range(0, len(run_ids), DEFAULT_CHUNK):
+        last = (len(run_ids) - 1) // DEFAULT_CHUNK * DEFAULT_CHUNK if defer else len(run_ids)  # where the pending tokens start
+        for at in range(0, max(0, last), DEFAULT_CHUNK):
             q_pos = torch.tensor(run_pos[at : at + DEFAULT_CHUNK], device=lm.device)  # [q]
             k_pos = torch.cat([torch.tensor(slots, device=lm.device), q_pos])  # [slots + q]
             mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q, slots + q]: each token sees what precedes it
@@ -136,8 +141,12 @@ def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: 
     for layer in cache.layers:
         layer.mark = layer.offset  # the composed prompt is the document now: questions rewind to its end
     cache.rewind()
-    if cache.get_seq_length() != len(ids) or sorted(slots) != list(range(len(ids))):
-        raise RuntimeError(f"the composed cache holds {cache.get_seq_length()} tokens, its prompt {len(ids)}")
+    if 0 <= last < len(run_ids):
+        cache.pending = Pending(run_ids[last:], run_pos[last:], list(slots))
+        slots += run_pos[last:]
+    held = cache.get_seq_length() + (len(cache.pending.ids) if cache.pending else 0)
+    if held != len(ids) or sorted(slots) != list(range(len(ids))):
+        raise RuntimeError(f"the composed cache holds {held} tokens, its prompt {len(ids)}")
     return Composed(cache=cache, token_ids=ids, framing=part_framing(m, plans[-1][0]), chosen=[p.index for p, _g, _s in plans],
                     recompute=recompute, recomputed_tokens=len(run_ids), moved_tokens=moved,
                     starts=[s for _p, _g, s in plans])

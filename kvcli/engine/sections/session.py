@@ -146,7 +146,7 @@ class SectionedSession:
         with self._lock:
             if self._head is None:  # read and verified once: every question's prompt starts with it
                 self._head = cp.restore_head(self.lm, self.opened)
-        made = cp.compose(self.lm, self.opened, plan.choice.chosen, self.how.recompute, head_copy=self._head)
+        made = cp.compose(self.lm, self.opened, plan.choice.chosen, self.how.recompute, head_copy=self._head, defer=True)
         parts = self.manifest.sections
         blended = {"documents": len(made.chosen), "recompute": made.recompute, "recomputed_tokens": made.recomputed_tokens,
                    "moved_tokens": made.moved_tokens, "caches": [str(self.path)], "sections": list(made.chosen),
