@@ -167,8 +167,7 @@ def _read_planes(src: payload.PayloadReader, dst: torch.Tensor) -> None:
         pos = 0
         while pos < total:
             n = min(len(scratch), total - pos)
-            part = scratch[:n]
-            src.readinto(part)
+            part = np.frombuffer(src.take(n, scratch), dtype=np.uint8)
             done = 0
             while done < n:  # the chunk's pieces, block by block
                 b, off = divmod(pos + done, per)
@@ -197,7 +196,8 @@ def decode_layer(
     and checked first, then each tensor is decompressed
     straight into its destination (`out`, else fresh tensors). `out` tensors must have the expected
     shapes and dtype, live on the CPU and be contiguous per [seq, head_dim] block (views of larger
-    buffers with room for more tokens are fine). Nothing larger than a small scratch is allocated.
+    buffers with room for more tokens are fine). Nothing larger than a small scratch is allocated
+    (a payload of up to payload.WHOLE_BELOW bytes is held whole).
     With `quant` (the manifest's compression.quant) the parts are dequantized into `out` (format/quant.py).
     """
     payload.check_declared_size(data, decoded_bytes, name)  # before allocating anything

@@ -20,10 +20,13 @@ from ..errors import CacheCorruptError
 from .dtypes import ITEM_SIZES, SAFETENSORS as ST_DTYPES
 MAX_HEADER = 64 * 1024  # a shard's safetensors header is a few hundred bytes; anything bigger is hostile
 SOURCE_READ = 1 << 20  # bytes zstd asks of a streamed source (store.ShardStream) at a time
+WHOLE_BELOW = 4 << 20  # decoded bytes up to which a payload is decompressed in one call, which holds no lock that
+# other threads wait on (a section's small shards then decode in parallel); larger ones stream in bounded pieces
 
 
-def check_declared_size(data, size: int, where: str) -> None:
-    """A zstd frame that declares a content size other than the manifest's is refused unread (bomb guard).
+def check_declared_size(data, size: int, where: str) -> int:
+    """A zstd frame that declares a content size other than the manifest's is refused unread (bomb guard); the
+    size it declares (-1: none) is returned.
 
     `data`: the stored bytes, or a stream with peek() and read() (store.ShardStream)."""
     try:
@@ -32,6 +35,7 @@ def check_declared_size(data, size: int, where: str) -> None:
         raise CacheCorruptError(f"{where}: not a zstandard frame") from None
     if declared >= 0 and declared != size:
         raise CacheCorruptError(f"{where}: declares {declared} decompressed bytes, manifest says {size}")
+    return declared
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,14 @@ def check_header(raw: bytes, *, where: str, transform: str, dtype: str, key_shap
 _CHUNK = 1 << 20  # bytes per read when draining a payload
 
 
+def _read_all(stream) -> bytes:
+    """Everything a stream with read() (store.ShardStream: hashed as it is read) has left, in one piece."""
+    pieces = []
+    while piece := stream.read():
+        pieces.append(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
 class PayloadReader:
     """One shard's payload, streamed: the frame's declared size and the safetensors header are checked on
     entry, then exactly the tensors' bytes are handed out; more or fewer is corruption, reported in one line.
@@ -185,12 +197,17 @@ class PayloadReader:
         self.rules = dict(transform=transform, dtype=dtype, key_shape=tuple(key_shape), value_shape=tuple(value_shape),
                           quant=quant)
         self._reader = None
+        self._whole: memoryview | None = None  # a small payload, decompressed at once
 
     def __enter__(self) -> "PayloadReader":
-        check_declared_size(self.data, self.size, self.where)  # before decompressing anything
+        declared = check_declared_size(self.data, self.size, self.where)  # before decompressing anything
         try:
-            self._reader = zstandard.ZstdDecompressor().stream_reader(self.data, read_size=SOURCE_READ,
-                                                                      read_across_frames=False)
+            if declared == self.size <= WHOLE_BELOW:  # (kvcli's frames declare their size; others stream)
+                stored = self.data if isinstance(self.data, (bytes, bytearray, memoryview)) else _read_all(self.data)
+                self._whole = memoryview(zstandard.ZstdDecompressor().decompress(stored, allow_extra_data=False))
+            else:
+                self._reader = zstandard.ZstdDecompressor().stream_reader(self.data, read_size=SOURCE_READ,
+                                                                          read_across_frames=False)
             if self.size < 8:
                 raise CacheCorruptError(f"{self.where}: payload too short for a safetensors header")
             first = bytearray(8)
@@ -210,14 +227,24 @@ class PayloadReader:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        self._whole = None
         if isinstance(exc, zstandard.ZstdError):
             raise CacheCorruptError(f"{self.where}: not a valid zstandard stream ({exc})") from None
+
+    def _check_room(self, n: int) -> None:
+        if self.got + n > self.size:
+            raise CacheCorruptError(f"{self.where}: safetensors payload runs past the {self.size} bytes the manifest gives")
+        if self._whole is not None and self.got + n > len(self._whole):
+            raise CacheCorruptError(f"{self.where}: decompresses to {len(self._whole)} bytes, manifest says {self.size}")
 
     def readinto(self, buf) -> None:
         """Fill `buf` (any writable buffer) with the next bytes of the payload."""
         view = memoryview(buf).cast("B")
-        if self.got + len(view) > self.size:
-            raise CacheCorruptError(f"{self.where}: safetensors payload runs past the {self.size} bytes the manifest gives")
+        self._check_room(len(view))
+        if self._whole is not None:
+            view[:] = self._whole[self.got : self.got + len(view)]
+            self.got += len(view)
+            return
         done = 0
         while done < len(view):
             n = self._reader.readinto(view[done:])
@@ -225,6 +252,18 @@ class PayloadReader:
                 raise CacheCorruptError(f"{self.where}: decompresses to {self.got + done} bytes, manifest says {self.size}")
             done += n
         self.got += done
+
+    def take(self, n: int, scratch):
+        """The next n bytes of the payload: a read-only view of them where the payload is held whole, else
+        scratch[:n] (a numpy or other sliceable writable buffer of at least n bytes) filled with them."""
+        if self._whole is not None:
+            self._check_room(n)
+            part = self._whole[self.got : self.got + n]
+            self.got += n
+            return part
+        part = scratch[:n]
+        self.readinto(part)
+        return part
 
     def drain(self) -> None:
         """Read the rest of the payload in bounded chunks, keeping nothing (verify); a quantized payload's
@@ -247,5 +286,6 @@ class PayloadReader:
 
     def finish(self) -> None:
         """Exactly the declared size was read, and nothing follows it."""
-        if self.got != self.size or self._reader.read(1):
+        if self.got != self.size or (self._whole is not None and len(self._whole) != self.size) or (
+                self._reader is not None and self._reader.read(1)):
             raise CacheCorruptError(f"{self.where}: decompresses to more bytes, manifest says {self.size}")

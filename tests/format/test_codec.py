@@ -24,6 +24,16 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TRANSFORMS = ["none", "byteplane"]
 
 
+@pytest.fixture(params=["whole", "streamed"])
+def held(request, monkeypatch):
+    """Both ways a payload is read: decompressed whole (a small shard) and streamed in pieces (a large one)."""
+    from kvcli.format import payload
+
+    if request.param == "streamed":
+        monkeypatch.setattr(payload, "WHOLE_BELOW", 0)
+    return request.param
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bit patterns (NaN payloads, -0.0 and subnormals compare as they are stored)."""
     return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
@@ -50,7 +60,7 @@ def _decode(enc, keys, values, transform, **kw):
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_round_trip_is_bit_identical(dtype, transform):
+def test_round_trip_is_bit_identical(dtype, transform, held):
     keys, values = _kv(dtype)
     enc = codec.encode_layer(keys, values, transform=transform, level=1)
     assert enc.raw_bytes == 2 * keys.numel() * keys.element_size()
@@ -84,7 +94,7 @@ def test_byteplane_compresses_float_caches_better_than_plain_zstd():
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_decodes_into_views_with_room_and_leaves_the_room_alone(dtype, transform):
+def test_decodes_into_views_with_room_and_leaves_the_room_alone(dtype, transform, held):
     keys, values = _kv(dtype, shape=(1, 3, 1000, 16))  # several decode steps per plane
     enc = codec.encode_layer(keys, values, transform=transform, level=1)
     bufs = [torch.full((1, 3, 1000 + 7, 16), 7.0, dtype=dtype) for _ in range(2)]
@@ -104,7 +114,7 @@ def test_decode_refuses_a_destination_of_another_shape():
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-def test_wrong_sizes_and_wrong_transform_are_corruption(transform):
+def test_wrong_sizes_and_wrong_transform_are_corruption(transform, held):
     keys, values = _kv(torch.float16)
     enc = codec.encode_layer(keys, values, transform=transform, level=1)
     other = "none" if transform == "byteplane" else "byteplane"

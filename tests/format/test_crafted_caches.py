@@ -28,12 +28,17 @@ def shard0(request, pristine, pristine_q):
     return m, (cache / m.layers[0].file).read_bytes()
 
 
+@pytest.mark.parametrize("held", ["whole", "streamed"])
 @pytest.mark.parametrize("checker", ["codec.decode_layer", "store.check_payload"])
-def test_decoders_refuse_every_crafted_payload(shard0, checker):
-    """The restore decoder and verify's streaming check, on their own: each crafted payload raises
-    CacheCorruptError with a one-line message, and memory stays bounded."""
-    from kvcli.format import codec
+def test_decoders_refuse_every_crafted_payload(shard0, checker, held, monkeypatch):
+    """The restore decoder and verify's streaming check, on their own, with the payload decompressed whole (a small
+    shard) and streamed in pieces (a large one): each crafted payload raises CacheCorruptError with a one-line
+    message, and memory stays bounded."""
+    from kvcli.format import codec, payload
     from kvcli.errors import CacheCorruptError
+
+    if held == "streamed":
+        monkeypatch.setattr(payload, "WHOLE_BELOW", 0)
 
     m, stored = shard0
     entry = m.layers[0]

@@ -81,6 +81,20 @@ class FullLayer(DynamicLayer):
             self._grow(self.offset + tokens)
             self._views()
 
+    def room(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [b, h, tokens, d] of the free slots after the used part (grown first if short), to be written in
+        place and then taken into use with advance(tokens)."""
+        self.ensure(tokens)
+        end = self.offset + tokens
+        return self._k[:, :, self.offset : end], self._v[:, :, self.offset : end]
+
+    def advance(self, tokens: int) -> None:
+        """The next `tokens` slots, written through room(), are in use."""
+        if self.offset + tokens > self.capacity:
+            raise ValueError(f"advance({tokens}) past the layer's {self.capacity} slots")
+        self.offset += tokens
+        self._views()
+
     @property
     def capacity(self) -> int:
         return self._k.shape[2] if self._k is not None else 0

@@ -63,8 +63,9 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
     """Read, verify and decompress every shard in parallel threads into a KVCache on `device` in `dtype`.
 
     Each shard is streamed once, hashed as it is decompressed (full-attention layers get `room` spare tokens,
-    default ROOM_TOKENS, after the document): peak memory is the restored cache plus a few 1 MiB buffers per
-    thread. Layer kinds come from the manifest (fit.check_fits compares them with the model first).
+    default ROOM_TOKENS, after the document): peak memory is the restored cache plus a few MiB per thread
+    (a small shard is decompressed whole, a large one in 1 MiB pieces). Layer kinds come from the manifest
+    (fit.check_fits compares them with the model first).
 
     On the CPU each shard decodes straight into its layer's buffer. On a device (or with `link`, any
     transfer.Link) each shard decodes into a host staging buffer (pinned on CUDA), is copied to the device
@@ -78,11 +79,9 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
     t0 = time.perf_counter()
     m = cache.manifest
     links = cache.chain()  # one cache, or the links of a chain (`prefill --after`), the first first
-    stored = DTYPES[m.dtype]
-    target = dtype or stored
+    target = dtype or DTYPES[m.dtype]
     link = link if link is not None else transfer.link_for(device)
     device = link.device if link is not None else torch.device(device)
-    direct = link is None and device.type == "cpu" and target == stored
     extra = max(0, ROOM_TOKENS if room is None else room)
     workers = threads or default_threads(len(m.layers))
     stats = RestoreStats(layers=len(m.layers), threads=min(workers, len(m.layers)), device=str(device),
@@ -94,12 +93,6 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
             stats.bytes_stored, stats.bytes_raw, stats.wall_s = 0, held.nbytes(), time.perf_counter() - t0
             kv.restore_stats = stats
             return kv
-    lock = threading.Lock()
-    staging = None
-    if link is not None:
-        item = torch.empty((), dtype=stored).element_size()
-        largest = max(item * (math.prod(e.key_shape) + math.prod(e.value_shape)) for c in links for e in c.manifest.layers)
-        staging = transfer.Staging(largest, stats.threads + 1, link.pinned, link.synchronize)
 
     def allocate(i: int):
         entry = m.layers[i]
@@ -111,6 +104,58 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
             keys = torch.empty(entry.key_shape, dtype=target, device=device)
             values = torch.empty(entry.value_shape, dtype=target, device=device)
         return layer, keys, values
+
+    built = [allocate(i) for i in range(len(m.layers))]
+    events = _decode_all(cache, [(k, v) for _layer, k, v in built], link, workers, stats)
+    for entry, (layer, keys, values), event in zip(m.layers, built, events):
+        if entry.kind != "full":
+            layer.restore(keys, values, entry.seq_length)
+        if event is not None:
+            layer.arriving(lambda event=event: link.wait(event))  # the layer's first reader waits for its copy
+    if link is not None:
+        stats.copy_queue_s = getattr(link, "copy_s", 0.0)
+    stats.bytes_raw = _raw(m, DTYPES[m.dtype])
+    kv = KVCache([layer for layer, _k, _v in built])
+    stats.wall_s = time.perf_counter() - t0
+    kv.restore_stats = stats
+    return kv
+
+
+def restore_into(cache: OpenedCache, outs: list, threads: int | None = None) -> RestoreStats:
+    """Decode every layer of a one-link cache into `outs` (per layer a (keys, values) pair of views [1, kv_heads,
+    tokens, head_dim], e.g. the free room of another cache's layers: nothing allocated, nothing copied after),
+    verified before this returns; on a device, the copies are ordered before whatever next reads the views."""
+    m = cache.manifest
+    if len(outs) != len(m.layers) or m.base_tokens:
+        raise ValueError(f"{cache.path}: {len(m.layers)} layers of one link, {len(outs)} destinations given")
+    t0 = time.perf_counter()
+    link = transfer.link_for(outs[0][0].device) if outs else None
+    stats = RestoreStats(layers=len(m.layers), threads=min(threads or default_threads(len(m.layers)), len(m.layers)),
+                         device=str(outs[0][0].device) if outs else "cpu", bytes_stored=m.bytes_stored, _link=link)
+    for event in _decode_all(cache, outs, link, stats.threads, stats):
+        if event is not None:
+            link.wait(event)
+    stats.bytes_raw = _raw(m, DTYPES[m.dtype])
+    stats.wall_s = time.perf_counter() - t0
+    return stats
+
+
+def _decode_all(cache: OpenedCache, outs: list, link: Any, workers: int, stats: RestoreStats) -> list:
+    """Every layer's shards (each link's, a chain's in order) decoded in `workers` threads into outs[i] (keys,
+    values views holding the chain's whole span): straight in on the CPU in the stored dtype, else through a
+    staging buffer (copied to the device asynchronously: the layer's event is returned) or a conversion."""
+    import torch
+
+    m = cache.manifest
+    links = cache.chain()
+    stored = DTYPES[m.dtype]
+    direct = link is None and all(k.device.type == "cpu" and k.dtype == stored for k, _v in outs)
+    lock = threading.Lock()
+    staging = None
+    if link is not None:
+        item = torch.empty((), dtype=stored).element_size()
+        largest = max(item * (math.prod(e.key_shape) + math.prod(e.value_shape)) for c in links for e in c.manifest.layers)
+        staging = transfer.Staging(largest, stats.threads + 1, link.pinned, link.synchronize)
 
     def fill(i: int, link_cache: OpenedCache, keys, values) -> None:
         entry = link_cache.manifest.layers[i]
@@ -140,10 +185,9 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
     def one(i: int):  # a layer's links in one task: as many tasks as a single cache has
         event = None
         for link_cache in links if m.layers[i].kind == "full" else [cache]:
-            event = fill(i, link_cache, *built[i][1:])
+            event = fill(i, link_cache, *outs[i])
         return event
 
-    built = [allocate(i) for i in range(len(m.layers))]
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             events = list(pool.map(one, range(len(m.layers))))
@@ -151,18 +195,7 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
         if staging is not None:
             stats.staging_wait_s = staging.wait_s
             transfer.release(staging)
-    for entry, (layer, keys, values), event in zip(m.layers, built, events):
-        if entry.kind != "full":
-            layer.restore(keys, values, entry.seq_length)
-        if event is not None:
-            layer.arriving(lambda event=event: link.wait(event))  # the layer's first reader waits for its copy
-    if link is not None:
-        stats.copy_queue_s = getattr(link, "copy_s", 0.0)
-    stats.bytes_raw = _raw(m, stored)
-    kv = KVCache([layer for layer, _k, _v in built])
-    stats.wall_s = time.perf_counter() - t0
-    kv.restore_stats = stats
-    return kv
+    return events
 
 
 def _raw(m, dtype) -> int:

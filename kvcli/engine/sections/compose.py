@@ -69,20 +69,31 @@ def restore_head(lm: Any, opened: Any) -> Any:
 
 def _move_section(lm: Any, opened: Any, part: Any, r: int, start: int, cache: Any) -> None:
     """Append section `part`'s stored keys/values after its first r tokens to every layer of `cache`, the keys
-    rotated from where they were computed to `start` on (only this section's shards read; a damaged one named)."""
+    rotated from where they were computed to `start` on (only this section's shards read; a damaged one named).
+    The shards decode straight into the layers' free room; the first r tokens are then overwritten by the rest."""
     from ...format import parts, sections as sec
     from ..cache import blend as bl
-    from ..cache.restore import load_states
+    from ..cache.restore import restore_into
 
+    n = part.num_tokens
+    rooms = [layer.room(n) for layer in cache.layers]  # each (keys, values) [b, kv_heads, n, head_dim]
     with parts.open_part(opened.path, opened.manifest, part.index) as stored:
         try:
-            states = load_states(stored, device=lm.device, dtype=lm.dtype, room=0)
+            restore_into(stored, rooms)
         except CacheCorruptError as exc:
             raise sec.named(part, exc) from None
-    cos, sin = bl.rotation(lm, start - part.position)
-    keys = bl.move_layers([s.keys[:, :, r:] for s in states], cos, sin)  # each [b, kv_heads, n - r, head_dim]
-    for layer, s, k in zip(cache.layers, states, keys):
-        layer.update(k, s.values[:, :, r:])
+    if start != part.position:  # (a turn by 0 would give the same bits)
+        cos, sin = bl.rotation(lm, start - part.position)
+        keys = bl.move_layers([k[:, :, r:] for k, _v in rooms], cos, sin)  # each [b, kv_heads, n - r, head_dim]
+        for (k, _v), moved in zip(rooms, keys):
+            k[:, :, : n - r].copy_(moved)
+    elif r:
+        for k, _v in rooms:
+            k[:, :, : n - r].copy_(k[:, :, r:].clone())
+    for layer, (_k, v) in zip(cache.layers, rooms):
+        if r:  # the kept values move down over the recomputed tokens' slots (a copy first: the two overlap)
+            v[:, :, : n - r].copy_(v[:, :, r:].clone())
+        layer.advance(n - r)
 
 
 def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: int | None = None,
