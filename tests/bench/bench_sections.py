@@ -10,11 +10,11 @@ the documents, each with the phrase that holds its answer and a pattern a right 
   cache (the reference a sectioned answer approximates), and from the document truncated to the window;
 - time to first token from the sectioned cache (select, compose with the recompute share, the question's forward)
   against recomputing the selected text (one forward over the composed prompt and the question), at shares 0 and
-  --recompute, measured alternately;
+  --recompute, measured in turn --ttft-repeats times (the median of each);
 - prefill time (the model's forward passes) and disk per token against the plain cache of the same document.
 
 Not part of the test run. Usage: python tests/bench/bench_sections.py [--window 1024] [--recompute 0.15] [--new 32]
-[--repeats N] [--prefill-only] [--json OUT] [--model PATH_OR_ID] [--threads N]
+[--repeats N] [--prefill-only] [--json OUT] [--model PATH_OR_ID] [--threads N] [--ttft-repeats N]
 """
 
 from __future__ import annotations
@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--prefill-only", action="store_true", help="measure prefill time and disk only")
     ap.add_argument("--model", default=None, help="a model as `--model` takes it (default: kvcli's default model)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument("--ttft-repeats", type=int, default=3, help="first-token timings of each kind per question (the median)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,11 +173,14 @@ def main() -> None:
                 holder = next(p.index for p in parts if squeeze(phrase) in squeeze(p.text))
                 budget = min(m.sections.window, lm.max_positions) - len(m.token_ids) - pf.ANSWER_ROOM
                 choice = select.choose([p.num_tokens for p in parts], select.scores([p.text for p in parts], question), budget)
-                ttft = {}
-                for share in (0.0, args.recompute):  # alternately with the recompute, same warm model
-                    t, prompt = first_token_sectioned(lm, opened, choice.chosen, share, question, head)
-                    ttft[share] = t
-                ttft_recompute = first_token_recomputed(lm, prompt)
+                runs = {0.0: [], args.recompute: [], "recompute": []}
+                for _ in range(args.ttft_repeats):  # the three in turn, same warm model: the median of each
+                    for share in (0.0, args.recompute):
+                        t, prompt = first_token_sectioned(lm, opened, choice.chosen, share, question, head)
+                        runs[share].append(t)
+                    runs["recompute"].append(first_token_recomputed(lm, prompt))
+                ttft = {share: statistics.median(runs[share]) for share in (0.0, args.recompute)}
+                ttft_recompute = statistics.median(runs["recompute"])
                 session = kvcli.Session.composed(lm, opened.path, m, cp.compose(lm, opened, choice.chosen, args.recompute),
                                                  blended={"documents": len(choice.chosen), "recompute": args.recompute,
                                                           "sections": choice.chosen, "of": len(parts)})
