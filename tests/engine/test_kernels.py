@@ -142,12 +142,34 @@ needs_native = pytest.mark.skipif(native.level() == 0, reason="native kernels no
 @needs_native
 @pytest.mark.parametrize("kind", QUANTIZED)
 def test_native_dequantize_is_gguf_bit_for_bit(kind):
+    """At every CPU level this machine runs and in the scalar code (level 0), float32 and bfloat16."""
     rows, cols = 9, 512
     raw = random_tensor(kind, rows, cols, seed=5)
     want = gguf_values(kind, raw, rows, cols)
-    assert torch.equal(native.dequantize(kind, raw, cols), want)
-    assert torch.equal(native.dequantize(kind, raw, cols, torch.bfloat16), want.to(torch.bfloat16))
+    for level in [0, *levels()]:
+        assert torch.equal(native.dequantize(kind, raw, cols, at=level), want), level
+        assert torch.equal(native.dequantize(kind, raw, cols, torch.bfloat16, at=level), want.to(torch.bfloat16)), level
     assert torch.equal(kernels.dequantize(kind, kernels.prepare(kind, raw, rows, cols), rows, cols), want)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_native_dequantize_rounds_to_bfloat16_as_torch_does_at_every_level(kind):
+    """Scales spread over float16's whole finite range, so products land on bfloat16 ties, subnormals and the
+    largest values: every level rounds them as torch does."""
+    rows, cols = 64, 512
+    raw = random_tensor(kind, rows, cols, seed=11).numpy().copy()
+    block, size = formats.SIZES[kind]
+    blocks = raw.reshape(-1, size)
+    rng = np.random.default_rng(3)
+    for at in HALVES[kind]:
+        halves = rng.integers(0, 0x7C00, blocks.shape[0], dtype=np.uint16) | (rng.integers(0, 2, blocks.shape[0], dtype=np.uint16) << 15)
+        blocks[:, at:at + 2] = halves.view(np.uint8).reshape(-1, 2)
+    raw = torch.from_numpy(raw)
+    want = gguf_values(kind, raw, rows, cols)
+    assert bool(want.isfinite().all())
+    for level in [0, *levels()]:
+        assert torch.equal(native.dequantize(kind, raw, cols, torch.bfloat16, at=level), want.to(torch.bfloat16)), level
 
 
 @needs_native

@@ -1,6 +1,7 @@
 /* Native kernels for GGUF blocks: few-row products with 8-bit activations and integer dot products (AVX512-VNNI,
    AVX-VNNI, or AVX2), the same with float32 products for float weights (F32, F16, BF16), and dequantization of the
-   quantized kinds to float32 or bfloat16 for prefill GEMMs.
+   quantized kinds to float32 or bfloat16 for prefill GEMMs (vector rows at each level for the per-32 kinds and Q6_K,
+   scalar rows the compiler vectorizes for Q4_K and Q5_K; the same bits either way).
 
    Built without -march flags: every SIMD function is compiled for its own CPU level (`#pragma GCC target`) and
    chosen at run time (`level`). Rows of the weight are spread over OpenMP threads; imported after torch, the
@@ -45,6 +46,24 @@ static inline __attribute__((always_inline)) uint16_t bf16_round(float f) {
     memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* A float16 as float32, exactly (subnormals, infinities and NaN payloads kept), as gguf reads a block's scale. */
+static inline __attribute__((always_inline)) float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) u = sign;
+    else {  /* subnormal: normalise */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }
 
 static inline void put(const struct gemv *g, int64_t i, int64_t r, float v) {
@@ -136,23 +155,6 @@ static void run_gemv(struct gemv *g, int level, int threads) {
 }
 
 /* ---- dequantization, scalar: the float32 values gguf computes (same products and sums, no FMA contraction) ---- */
-static inline __attribute__((always_inline)) float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);
-    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);
-    else if (!man) u = sign;
-    else {  /* subnormal: normalise */
-        int e = -1;
-        do { man <<= 1; e++; } while (!(man & 0x400));
-        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline __attribute__((always_inline)) void dequant_block(int kind, const uint8_t *b, float *y) {
     switch (kind) {
     case K_Q8_0: { float d = half_at(b); for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)b[2 + i] * d; break; }
@@ -224,11 +226,20 @@ static void dequant_row(int kind, const uint8_t *w, int64_t nb, void *out, int b
     }
 }
 
+typedef int (*dequant_fn)(int, const uint8_t *, int64_t, void *, int);
+
 static void run_dequant(int kind, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t cols, void *out, int bf16,
-                        int threads) {
+                        int threads, int level) {
     int64_t nb = cols / BLOCK[kind], width = bf16 ? 2 : 4;
+    /* the kinds with a vector row (the per-32 kinds, Q6_K) at this level; the others, or level 0: the scalar row */
+    dequant_fn simd = level == L_AVX512VNNI ? dequant_simd_avx512vnni : level == L_AVXVNNI ? dequant_simd_avxvnni
+                    : level == L_AVX2 ? dequant_simd_avx2 : NULL;
+    if (simd && !simd(kind, NULL, 0, NULL, bf16)) simd = NULL;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * cols >= (1 << 16))
-    for (int64_t r = 0; r < rows; r++) dequant_row(kind, w + r * row_bytes, nb, (char *)out + r * cols * width, bf16);
+    for (int64_t r = 0; r < rows; r++) {
+        if (simd) simd(kind, w + r * row_bytes, nb, (char *)out + r * cols * width, bf16);
+        else dequant_row(kind, w + r * row_bytes, nb, (char *)out + r * cols * width, bf16);
+    }
 }
 
 /* ---- Python ---- */
@@ -273,18 +284,20 @@ static PyObject *py_gemv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* dequantize(kind, w, row_bytes, rows, cols, out, out_bf16, threads) */
+/* dequantize(kind, w, row_bytes, rows, cols, out, out_bf16, threads, level): level 0, the scalar rows */
 static PyObject *py_dequantize(PyObject *self, PyObject *args) {
-    int kind, bf16, threads;
+    int kind, bf16, threads, level;
     long long w, row_bytes, rows, cols, out;
-    if (!PyArg_ParseTuple(args, "iLLLLLii", &kind, &w, &row_bytes, &rows, &cols, &out, &bf16, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "iLLLLLiii", &kind, &w, &row_bytes, &rows, &cols, &out, &bf16, &threads, &level))
+        return NULL;
     if (!check_kind(kind)) return NULL;
-    if (is_float(kind) || cols % BLOCK[kind]) {
-        PyErr_SetString(PyExc_ValueError, "dequantize: not a quantized kind, or cols not a whole number of blocks");
+    if (is_float(kind) || cols % BLOCK[kind] || level < L_NONE || level > best_level()) {
+        PyErr_SetString(PyExc_ValueError, "dequantize: not a quantized kind, cols not a whole number of blocks, or a level"
+                                          " not supported here");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    run_dequant(kind, (const uint8_t *)(uintptr_t)w, row_bytes, rows, cols, (void *)(uintptr_t)out, bf16, threads);
+    run_dequant(kind, (const uint8_t *)(uintptr_t)w, row_bytes, rows, cols, (void *)(uintptr_t)out, bf16, threads, level);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

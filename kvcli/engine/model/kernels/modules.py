@@ -15,8 +15,8 @@ TILE = 1 << 22  # weights dequantized at a time for a GEMM (8 MiB of bfloat16): 
 # Up to this many rows of x (a question after a restore, a batched step), the native kernel: 8-bit activations,
 # integer dots, each weight block unpacked once for four rows. More rows (prefill): bfloat16 GEMMs on tiles
 # dequantized natively. The crossovers were measured at each kernel level (tests/bench/bench_kernels.py --rows);
-# Q6_K dequantizes slowest, so the native kernel stays ahead for more rows there.
-NATIVE_ROWS = {"Q6_K": 128}
+# Q6_K's, near 50 rows, is the latest.
+NATIVE_ROWS = {"Q6_K": 48}
 NATIVE_ROWS_OTHERS = 32
 
 _TORCH_ONLY: ContextVar[bool] = ContextVar("kvcli_kernels_torch_only", default=False)

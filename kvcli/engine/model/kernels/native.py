@@ -63,9 +63,10 @@ def gemv(kind: str, blocks: torch.Tensor, cols: int, x: torch.Tensor, bias: torc
 
 
 def dequantize(kind: str, blocks: torch.Tensor, cols: int, dtype: torch.dtype = torch.float32,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, at: int | None = None) -> torch.Tensor:
     """Rows of blocks [rows, bytes a row] of a quantized kind -> [rows, cols] float32 (gguf's values) or bfloat16
-    (those rounded)."""
+    (those rounded), vectorized at CPU level `at` (default: this CPU's best; 0: the scalar code) where the kind
+    has a vector row; every level gives the same bits."""
     if kind in FLOATS:
         raise ValueError(f"dequantize: {kind} is not a quantized kind")
     rows = _checked(kind, blocks, cols)
@@ -75,5 +76,5 @@ def dequantize(kind: str, blocks: torch.Tensor, cols: int, dtype: torch.dtype = 
             and out.is_contiguous() and out.device.type == "cpu"):
         raise ValueError(f"dequantize: output {out.dtype} {tuple(out.shape)} does not fit {rows} x {cols} {dtype}")
     _native.dequantize(KINDS[kind], blocks.data_ptr(), blocks.shape[1], rows, cols, out.data_ptr(),
-                       int(dtype == torch.bfloat16), torch.get_num_threads())
+                       int(dtype == torch.bfloat16), torch.get_num_threads(), level() if at is None else at)
     return out
