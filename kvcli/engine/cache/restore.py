@@ -71,8 +71,8 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
     transfer.Link) each shard decodes into a host staging buffer (pinned on CUDA), is copied to the device
     asynchronously, and its layer waits for its own copy only when a computation first reads it
     (KVCache's layers hold the wait): decoding, copying and the question's first layers overlap. Every shard is
-    decoded and verified before this returns, so a damaged one is refused here, never mid-question.
-    The cache's `restore_stats` (RestoreStats) says where the time went.
+    decoded and verified before this returns, so a damaged one is refused here, never mid-question. The cache's
+    `restore_stats` (RestoreStats) says where the time went.
     """
     import torch
 

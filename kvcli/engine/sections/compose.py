@@ -82,16 +82,15 @@ def _move_section(lm: Any, opened: Any, part: Any, r: int, start: int, cache: An
             restore_into(stored, rooms)
         except CacheCorruptError as exc:
             raise sec.named(part, exc) from None
+    kept = [k[:, :, r:] for k, _v in rooms]  # each [b, kv_heads, n - r, head_dim]
     if start != part.position:  # (a turn by 0 would give the same bits)
-        cos, sin = bl.rotation(lm, start - part.position)
-        keys = bl.move_layers([k[:, :, r:] for k, _v in rooms], cos, sin)  # each [b, kv_heads, n - r, head_dim]
-        for (k, _v), moved in zip(rooms, keys):
-            k[:, :, : n - r].copy_(moved)
-    elif r:
-        for k, _v in rooms:
-            k[:, :, : n - r].copy_(k[:, :, r:].clone())
-    for layer, (_k, v) in zip(cache.layers, rooms):
-        if r:  # the kept values move down over the recomputed tokens' slots (a copy first: the two overlap)
+        kept = bl.move_layers(kept, *bl.rotation(lm, start - part.position))
+    elif r:  # copied first: below, the kept tokens move down over the recomputed ones' slots, which they overlap
+        kept = [k.clone() for k in kept]
+    for layer, (k, v), keys in zip(cache.layers, rooms, kept):
+        if r or start != part.position:
+            k[:, :, : n - r].copy_(keys)
+        if r:
             v[:, :, : n - r].copy_(v[:, :, r:].clone())
         layer.advance(n - r)
 

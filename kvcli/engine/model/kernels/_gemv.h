@@ -351,33 +351,31 @@ static inline void FN(put8)(void *out, int64_t at, __m256 y, int bf16) {
     else _mm256_storeu_ps((float *)out + at, y);
 }
 
-/* 32 byte codes (signed for Q8_0), less `off`, as 4 x 8 float32 times d (plus m): put at `at` on. One rounding per
-   product and per sum, as dequant_block's scalar code (no FMA), so the values are gguf's bit for bit. */
-static inline void FN(put32)(void *out, int64_t at, __m256i u, int is_signed, int off, float d, int add_m, float m,
-                             int bf16) {
-    const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+/* 32 byte codes (signed for Q8_0 and Q6_K), less `off`, as 4 x 8 float32 times d0 (the first 16) and d1 (the
+   last 16), plus m: put at `at` on. One rounding per product and per sum, as dequant_block's scalar code (no FMA),
+   so the values are gguf's bit for bit. */
+static inline void FN(put32)(void *out, int64_t at, __m256i u, int is_signed, int off, float d0, float d1, int add_m,
+                             float m, int bf16) {
+    const __m256 mv = _mm256_set1_ps(m);
     const __m256i ov = _mm256_set1_epi32(off);
     for (int c = 0; c < 4; c++) {
         __m128i part = c < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1);
         if (c & 1) part = _mm_srli_si128(part, 8);
         __m256i q = is_signed ? _mm256_cvtepi8_epi32(part) : _mm256_sub_epi32(_mm256_cvtepu8_epi32(part), ov);
-        __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(q), dv);
+        __m256 y = _mm256_mul_ps(_mm256_set1_ps(c < 2 ? d0 : d1), _mm256_cvtepi32_ps(q));
         if (add_m) y = _mm256_add_ps(y, mv);
         FN(put8)(out, at + 8 * c, y, bf16);
     }
 }
 
-/* One row of nb blocks -> float32 or bfloat16 values, vectorized for the per-32 kinds and Q6_K. Returns 0 (and
-   writes nothing) for a kind it does not do; w == NULL only asks. */
-static int FN(dequant_simd)(int kind, const uint8_t *w, int64_t nb, void *out, int bf16) {
-    if (!(kind <= K_Q8_0 || kind == K_Q6_K)) return 0;
-    if (w == NULL) return 1;
+/* One row of nb blocks of a kind vector_row() takes (the per-32 kinds, Q6_K) -> float32 or bfloat16 values. */
+static void FN(dequant_simd)(int kind, const uint8_t *w, int64_t nb, void *out, int bf16) {
     if (kind == K_Q6_K) {
         const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(0x03), bias = _mm256_set1_epi8(32);
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = w + 210 * b;
             const float d = half_at(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
+            const int8_t *sc = (const int8_t *)(blk + 192);  /* one scale per 16 weights */
             for (int h = 0; h < 2; h++) {
                 const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
                 for (int k = 0; k < 4; k++) {
@@ -385,17 +383,12 @@ static int FN(dequant_simd)(int kind, const uint8_t *w, int64_t nb, void *out, i
                     __m256i lo = _mm256_and_si256(k < 2 ? lb : _mm256_srli_epi16(lb, 4), low4);
                     __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * k), low2), 4);
                     __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), bias);  /* -32..31 */
-                    const int64_t at = 256 * b + 128 * h + 32 * k;
-                    for (int c = 0; c < 4; c++) {
-                        __m128i part = c < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
-                        if (c & 1) part = _mm_srli_si128(part, 8);
-                        const __m256 ds = _mm256_set1_ps(d * (float)sc[(128 * h + 32 * k + 8 * c) / 16]);
-                        FN(put8)(out, at + 8 * c, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part))), bf16);
-                    }
+                    const int s = 8 * h + 2 * k;
+                    FN(put32)(out, 256 * b + 128 * h + 32 * k, q, 1, 0, d * (float)sc[s], d * (float)sc[s + 1], 0, 0.0f, bf16);
                 }
             }
         }
-        return 1;
+        return;
     }
     const int size = BYTES[kind];
     for (int64_t b = 0; b < nb; b++) {
@@ -403,19 +396,18 @@ static int FN(dequant_simd)(int kind, const uint8_t *w, int64_t nb, void *out, i
         const float d = half_at(blk);
         uint32_t qh;
         switch (kind) {
-        case K_Q8_0: FN(put32)(out, 32 * b, _mm256_loadu_si256((const __m256i *)(blk + 2)), 1, 0, d, 0, 0.0f, bf16); break;
-        case K_Q4_0: FN(put32)(out, 32 * b, FN(nibbles)(blk + 2), 0, 8, d, 0, 0.0f, bf16); break;
-        case K_Q4_1: FN(put32)(out, 32 * b, FN(nibbles)(blk + 4), 0, 0, d, 1, half_at(blk + 2), bf16); break;
+        case K_Q8_0: FN(put32)(out, 32 * b, _mm256_loadu_si256((const __m256i *)(blk + 2)), 1, 0, d, d, 0, 0.0f, bf16); break;
+        case K_Q4_0: FN(put32)(out, 32 * b, FN(nibbles)(blk + 2), 0, 8, d, d, 0, 0.0f, bf16); break;
+        case K_Q4_1: FN(put32)(out, 32 * b, FN(nibbles)(blk + 4), 0, 0, d, d, 1, half_at(blk + 2), bf16); break;
         case K_Q5_0:
             memcpy(&qh, blk + 2, 4);
-            FN(put32)(out, 32 * b, _mm256_or_si256(FN(nibbles)(blk + 6), HIGH_BITS(qh)), 0, 16, d, 0, 0.0f, bf16);
+            FN(put32)(out, 32 * b, _mm256_or_si256(FN(nibbles)(blk + 6), HIGH_BITS(qh)), 0, 16, d, d, 0, 0.0f, bf16);
             break;
         default:  /* K_Q5_1 */
             memcpy(&qh, blk + 4, 4);
-            FN(put32)(out, 32 * b, _mm256_or_si256(FN(nibbles)(blk + 8), HIGH_BITS(qh)), 0, 0, d, 1, half_at(blk + 2), bf16);
+            FN(put32)(out, 32 * b, _mm256_or_si256(FN(nibbles)(blk + 8), HIGH_BITS(qh)), 0, 0, d, d, 1, half_at(blk + 2), bf16);
         }
     }
-    return 1;
 }
 
 static void FN(quantize)(const struct gemv *g) {

@@ -226,15 +226,16 @@ static void dequant_row(int kind, const uint8_t *w, int64_t nb, void *out, int b
     }
 }
 
-typedef int (*dequant_fn)(int, const uint8_t *, int64_t, void *, int);
+typedef void (*dequant_fn)(int, const uint8_t *, int64_t, void *, int);
+
+static inline int vector_row(int kind) { return kind <= K_Q8_0 || kind == K_Q6_K; }
 
 static void run_dequant(int kind, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t cols, void *out, int bf16,
                         int threads, int level) {
     int64_t nb = cols / BLOCK[kind], width = bf16 ? 2 : 4;
-    /* the kinds with a vector row (the per-32 kinds, Q6_K) at this level; the others, or level 0: the scalar row */
-    dequant_fn simd = level == L_AVX512VNNI ? dequant_simd_avx512vnni : level == L_AVXVNNI ? dequant_simd_avxvnni
-                    : level == L_AVX2 ? dequant_simd_avx2 : NULL;
-    if (simd && !simd(kind, NULL, 0, NULL, bf16)) simd = NULL;
+    /* the kinds with a vector row at this level; the others, or level 0: the scalar row */
+    dequant_fn simd = !vector_row(kind) ? NULL : level == L_AVX512VNNI ? dequant_simd_avx512vnni
+                    : level == L_AVXVNNI ? dequant_simd_avxvnni : level == L_AVX2 ? dequant_simd_avx2 : NULL;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows * cols >= (1 << 16))
     for (int64_t r = 0; r < rows; r++) {
         if (simd) simd(kind, w + r * row_bytes, nb, (char *)out + r * cols * width, bf16);
