@@ -4,9 +4,11 @@ pure-torch path, and torch's weight-only `_weight_int8pack_mm` / `_weight_int4pa
 many-row products (prefill) as bfloat16 GEMMs on weights dequantized by the native code and by torch.
 `--rows 8,16,32,64,128` instead times, per shape, the native kernel on that many rows against the GEMM path (at
 `--level`, default the CPU's best): where the ratio passes 1 is the crossover kernels/modules.py's NATIVE_ROWS holds.
+`--attention 1024,2048,8192` instead times a decoding step's one-row attention in bfloat16 over that many keys, every
+layer's keys and values apart (as a step reads them): the native kernel against the torch products it stands in for.
 
 Usage: flock /tmp/kvcli-heavy.lock python tests/bench/bench_kernels.py [--model 0.5b,7b] [--threads 2] [--prefill 512]
-[--no-torch-path] [--cold-mb 600] [--json] [--rows 8,16,32,64 [--level 1|2|3]]. Weights are cycled through copies, so each product reads
+[--no-torch-path] [--cold-mb 600] [--json] [--rows 8,16,32,64 [--level 1|2|3]] [--attention 2048]. Weights are cycled through copies, so each product reads
 its weight from memory as a decoding step does (the L3 cache here is large). Random blocks (finite scales): speed
 does not depend on the values. GB/s counts the
 bytes each kernel reads for its weight (the file's blocks; int8/int4 codes and scales for torch's kernels).
@@ -36,6 +38,7 @@ SHAPES = {
         ("gate", "Q4_K", 18944, 3584, 1), ("up", "Q4_K", 18944, 3584, 1), ("down", "Q6_K", 3584, 18944, 0.5),
         ("down", "Q4_K", 3584, 18944, 0.5)], output=("output", "Q6_K", 152064, 3584)),
 }
+ATTENTION = {"0.5b": (24, 14, 2, 64), "7b": (28, 28, 4, 128)}  # layers, query heads, key/value heads, head size
 HALVES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
@@ -131,6 +134,25 @@ def rows_against_gemm(model: str, counts: list[int], level: int | None) -> None:
                   f"GEMM {m:8.2f} ms | ratio {g / m:5.2f}", flush=True)
 
 
+def attention_step(model: str, counts: list[int]) -> None:
+    """Print, per count of keys, one step's attention over every layer of `model` (one bfloat16 query row): the
+    native kernel against the torch path (kernels.torch_only), with the keys' and values' bytes read a second."""
+    from kvcli.engine.model.attention import _one_row_attention
+
+    layers, heads, kv_heads, d = ATTENTION[model]
+    for n in counts:
+        q = torch.randn(1, heads, 1, d, dtype=torch.bfloat16)
+        kv = [(torch.randn(1, kv_heads, n + 256, d, dtype=torch.bfloat16)[:, :, :n],
+               torch.randn(1, kv_heads, n + 256, d, dtype=torch.bfloat16)[:, :, :n]) for _ in range(layers)]
+        times = {}
+        for way, only in (("native", False), ("torch", True)):
+            with kernels.torch_only(only):
+                times[way] = timed(lambda i: [_one_row_attention(q, k, v, d**-0.5) for k, v in kv], budget=1.0)
+        gb = layers * 2 * kv_heads * n * d * 2 / times["native"] / 1e6
+        print(f"{model:4s} attention, {layers} layers, {n:6d} keys: native {times['native']:7.2f} ms ({gb:5.1f} GB/s) | "
+              f"torch {times['torch']:7.2f} ms | ratio {times['native'] / times['torch']:5.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="0.5b,7b")
@@ -142,8 +164,14 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--rows", default="", help="counts of rows: time the native kernel against the GEMM path")
     ap.add_argument("--level", type=int, default=None, help="the native kernel's level for --rows (1 avx2, 2 avx-vnni, 3 avx512-vnni)")
+    ap.add_argument("--attention", default="", help="counts of keys: time one step's one-row attention, native against torch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.attention:
+        print(f"backend {kernels.backend()}, {args.threads} threads", flush=True)
+        for model in args.model.split(","):
+            attention_step(model, [int(n) for n in args.attention.split(",")])
+        return
     if args.rows:
         print(f"backend {kernels.backend()}, level {args.level or native.level()}, {args.threads} threads", flush=True)
         for model in args.model.split(","):

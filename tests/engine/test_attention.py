@@ -89,3 +89,69 @@ def test_document_part_of_batched_attention_is_the_softmax_over_the_document(win
     want = torch.softmax(scores, -1) @ values[0].double()
     assert torch.allclose((o / s).double(), want, atol=1e-6)
     assert torch.allclose((m + s.log()).double(), torch.logsumexp(scores, -1, keepdim=True), atol=1e-5)
+
+
+needs_native = pytest.mark.skipif(__import__("kvcli.engine.model.kernels.native", fromlist=["level"]).level() == 0,
+                                  reason="native kernels not built or CPU without AVX2/FMA/F16C")
+
+
+def _one_row(dtype, heads, kv_heads, n, d, seed=0):
+    """A decoding step's query [1, heads, 1, d] and keys/values [1, kv_heads, n, d]: views into longer buffers, as a
+    KVCache's layers hand them over."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, 1, d, generator=g).to(dtype)
+    k = (torch.randn(1, kv_heads, n + 40, d, generator=g) * 3).to(dtype)[:, :, :n]
+    v = torch.randn(1, kv_heads, n + 40, d, generator=g).to(dtype)[:, :, :n]
+    return q, k, v
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,n,d", [(14, 2, 1, 64), (9, 3, 7, 64), (14, 2, 300, 64), (28, 4, 700, 128),
+                                                (8, 8, 513, 80), (6, 1, 2100, 32)])
+def test_native_one_row_attention_rounds_as_the_torch_path(dtype, heads, kv_heads, n, d):
+    """The native kernel (kernels/_native.c) rounds where transformers' eager attention does (scores, scaled scores
+    and probabilities in the dtype; softmax and sums in float32): its outputs are the torch path's but for a rare
+    last bit from another order of the float32 sums, and the same on one thread and on two."""
+    from kvcli.engine.model.kernels import native, torch_only
+
+    q, k, v = _one_row(dtype, heads, kv_heads, n, d)
+    with torch_only():
+        want, _ = attention._one_row_attention(q, k, v, d**-0.5)
+    got, _ = attention._one_row_attention(q, k, v, d**-0.5)
+    assert got.shape == want.shape == (1, 1, heads, d) and got.dtype == dtype
+    assert (got == want).float().mean().item() >= 0.99
+    ulp = 2.0 ** (-7 if dtype == torch.bfloat16 else -10)
+    assert torch.allclose(got.float(), want.float(), rtol=ulp, atol=ulp * 1e-2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.attend(q, k, v, d**-0.5)
+        torch.set_num_threads(2)
+        two = native.attend(q, k, v, d**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and torch.equal(one, got)
+
+
+@needs_native
+def test_native_one_row_attention_runs_only_what_it_was_written_for(monkeypatch):
+    """float32 (the exact path), a batch of two, several query rows or a head size it does not take go to torch's
+    products; called anyway, it refuses with a ValueError instead of reading out of bounds."""
+    from kvcli.engine.model.kernels import native
+
+    q, k, v = _one_row(torch.bfloat16, 4, 2, 50, 64)
+    assert native.attends(q, k, v)
+    others = [(q.float(), k.float(), v.float()), (q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1)),
+              (q.expand(-1, -1, 3, -1), k, v), (q[..., :60], k[..., :60], v[..., :60]), (q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v),
+              (q[:, :3], k, v)]
+    for args in others:
+        assert not native.attends(*args)
+        with pytest.raises(ValueError, match="attend"):
+            native.attend(*args, 0.125)
+    calls = []
+    monkeypatch.setattr(native, "attend", lambda *a: calls.append(a))
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    assert not attention._one_row_eager(q32, None, 0.0, {})  # float32 one-row steps keep the model's own attention
+    out, _ = attention._one_row_attention(q32, k32, v32, 0.125)
+    assert calls == [] and out.dtype == torch.float32

@@ -79,9 +79,13 @@ def _one_row_attention(query, key, value, scaling):
     softmax in float32. query [b, heads, 1, d], key/value [b, kv_heads, kv, d] -> [b, 1, heads, d]."""
     import torch
 
+    from .kernels import backend, native
+
     b, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     scale = scaling if scaling is not None else dim**-0.5
+    if backend() != "torch" and native.attends(query, key, value):  # the same roundings, each key read once
+        return native.attend(query, key, value, scale), None
     q = query.reshape(b, kv_heads, heads // kv_heads, dim)  # a key/value head's query heads as its rows
     scores = torch.matmul(key, q.transpose(-1, -2)).transpose(-1, -2) * scale  # [b, kv_heads, rep, kv]; keys read in place
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)

@@ -1,7 +1,8 @@
 /* Native kernels for GGUF blocks: few-row products with 8-bit activations and integer dot products (AVX512-VNNI,
    AVX-VNNI, or AVX2), the same with float32 products for float weights (F32, F16, BF16), and dequantization of the
    quantized kinds to float32 or bfloat16 for prefill GEMMs (vector rows at each level for the per-32 kinds and Q6_K,
-   scalar rows the compiler vectorizes for Q4_K and Q5_K; the same bits either way).
+   scalar rows the compiler vectorizes for Q4_K and Q5_K; the same bits either way), and one query row's attention in
+   bfloat16 or float16 for a decoding step.
 
    Built without -march flags: every SIMD function is compiled for its own CPU level (`#pragma GCC target`) and
    chosen at run time (`level`). Rows of the weight are spread over OpenMP threads; imported after torch, the
@@ -11,6 +12,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -118,6 +120,213 @@ static inline __m256i high_bits_avx2(uint32_t x) {
 #undef DOT_U8S8
 #undef DOT_S16
 #undef HIGH_BITS
+#pragma GCC pop_options
+
+/* ---- one query row's attention in bfloat16 or float16 (a decoding step): the roundings of transformers' eager
+   attention (scores rounded to the dtype, scaled and rounded again; softmax in float32; probabilities rounded to the
+   dtype; their products with the values summed in float32 and rounded), each key and value read once. The keys are
+   cut into chunks of ATT_CHUNK whatever the thread count, and the chunks' sums added in order: the same bits on any
+   number of threads. ---- */
+#define ATT_CHUNK 256
+#define ATT_MAX_D 256
+
+struct attend {
+    const uint16_t *q, *k, *v;  /* q [heads, d]; k, v [kv_heads, n, d] with the strides below (elements) */
+    uint16_t *out;              /* [heads, d] */
+    int64_t heads, kv_heads, n, d, k_head, k_tok, v_head, v_tok, chunks;
+    float scale;
+    int f16;
+    float *qf, *s, *part;       /* scratch: q as float32 [heads, d]; scores then probabilities [heads, n]; [heads, chunks, d] */
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+static inline float att_round(float f, int f16) {
+    if (f16) return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+    uint32_t u = (uint32_t)bf16_round(f) << 16;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* eight float32 values rounded to the dtype (nearest even, NaN kept quiet), as float32 */
+static inline __m256 att_round8(__m256 x, int f16) {
+    if (f16) return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    __m256i u = _mm256_castps_si256(x), high = _mm256_set1_epi32((int)0xffff0000u);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), high);
+    __m256i nan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), high);
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nan), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+static inline __m256 att_load8(const uint16_t *p, int f16) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return f16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* [a0..a7] -> the eight lanes' sums, in one vector (a fixed order of additions) */
+static inline __m256 att_sum8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* e^x for x <= 0 (Cephes' polynomial on x - n ln2, n = round(x / ln2)); below -87: 0 */
+static inline __m256 att_exp(__m256 x) {
+    __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* scores of one key/value head's query heads against keys [t0, t1): s = round(round(q . k) * scale) */
+static void att_scores(const struct attend *a, int64_t g, int64_t t0, int64_t t1) {
+    int64_t d = a->d, rep = a->heads / a->kv_heads;
+    float kf[8 * ATT_MAX_D];
+    for (int64_t t = t0; t < t1; t += 8) {
+        int64_t nt = t1 - t < 8 ? t1 - t : 8;
+        for (int64_t j = 0; j < nt; j++)
+            for (int64_t c = 0; c < d; c += 8) _mm256_storeu_ps(kf + j * d + c, att_load8(a->k + g * a->k_head + (t + j) * a->k_tok + c, a->f16));
+        if (nt < 8) memset(kf + nt * d, 0, sizeof(float) * (size_t)((8 - nt) * d));
+        for (int64_t r = 0; r < rep; r++) {
+            int64_t h = g * rep + r;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t c = 0; c < d; c += 8) {
+                __m256 qv = _mm256_loadu_ps(a->qf + h * d + c);
+                for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(kf + j * d + c), qv, acc[j]);
+            }
+            __m256 s = att_round8(_mm256_mul_ps(att_round8(att_sum8(acc), a->f16), _mm256_set1_ps(a->scale)), a->f16);
+            if (nt == 8) _mm256_storeu_ps(a->s + h * a->n + t, s);
+            else {
+                float dots[8];
+                _mm256_storeu_ps(dots, s);
+                memcpy(a->s + h * a->n + t, dots, sizeof(float) * nt);
+            }
+        }
+    }
+}
+
+/* one head's scores -> probabilities, rounded to the dtype: softmax in float32 */
+static void att_softmax(const struct attend *a, int64_t h) {
+    float *s = a->s + h * a->n;
+    int64_t n = a->n, t = 0;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    float m[8], m1 = -INFINITY;
+    _mm256_storeu_ps(m, mv);
+    for (int j = 0; j < 8; j++) m1 = m[j] > m1 ? m[j] : m1;
+    for (; t < n; t++) m1 = s[t] > m1 ? s[t] : m1;
+    __m256 sv = _mm256_setzero_ps(), m8 = _mm256_set1_ps(m1);
+    float tail = 0.0f;
+    for (t = 0; t + 8 <= n; t += 8) {
+        __m256 e = att_exp(_mm256_sub_ps(_mm256_loadu_ps(s + t), m8));
+        _mm256_storeu_ps(s + t, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    for (; t < n; t++) {
+        float e[8];
+        _mm256_storeu_ps(e, att_exp(_mm256_set1_ps(s[t] - m1)));
+        s[t] = e[0];
+        tail += e[0];
+    }
+    float parts[8], sum = 0.0f;
+    _mm256_storeu_ps(parts, sv);
+    for (int j = 0; j < 8; j++) sum += parts[j];
+    sum += tail;
+    __m256 sum8 = _mm256_set1_ps(sum);
+    for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, att_round8(_mm256_div_ps(_mm256_loadu_ps(s + t), sum8), a->f16));
+    for (; t < n; t++) s[t] = att_round(s[t] / sum, a->f16);
+}
+
+/* nr query heads' probabilities p[i] over keys [0, nt) times those keys' values, one 8-column block of vf (the values
+   as float32, [nt][8]), added to out[i] (8 floats each): nr accumulators in registers, each value loaded once */
+static inline __attribute__((always_inline)) void att_tile(const float *const *p, const float *vf, int64_t nt, int nr,
+                                                           float *const *out) {
+    __m256 acc[8];
+    for (int i = 0; i < nr; i++) acc[i] = _mm256_loadu_ps(out[i]);
+    for (int64_t t = 0; t < nt; t++) {
+        __m256 v = _mm256_loadu_ps(vf + t * 8);
+        for (int i = 0; i < nr; i++) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p[i] + t), v, acc[i]);
+    }
+    for (int i = 0; i < nr; i++) _mm256_storeu_ps(out[i], acc[i]);
+}
+
+#define ATT_SUB 64  /* keys whose values are turned to float32 at a time (d x 256 bytes: within the L1 cache) */
+
+/* one key/value head's query heads: probabilities times values over keys [t0, t1) -> part [heads, chunks, d] */
+static void att_values(const struct attend *a, int64_t g, int64_t chunk, int64_t t0, int64_t t1) {
+    int64_t d = a->d, rep = a->heads / a->kv_heads;
+    float vf[ATT_MAX_D * ATT_SUB];  /* [d / 8][ATT_SUB][8] */
+    for (int64_t r = 0; r < rep; r++) memset(a->part + ((g * rep + r) * a->chunks + chunk) * d, 0, sizeof(float) * (size_t)d);
+    for (int64_t s0 = t0; s0 < t1; s0 += ATT_SUB) {
+        int64_t nt = t1 - s0 < ATT_SUB ? t1 - s0 : ATT_SUB;
+        for (int64_t t = 0; t < nt; t++)
+            for (int64_t c = 0; c < d; c += 8)
+                _mm256_storeu_ps(vf + (c / 8) * ATT_SUB * 8 + t * 8, att_load8(a->v + g * a->v_head + (s0 + t) * a->v_tok + c, a->f16));
+        for (int64_t r0 = 0; r0 < rep; r0 += 8) {
+            int nr = rep - r0 < 8 ? (int)(rep - r0) : 8;
+            const float *p[8];
+            float *out[8];
+            for (int64_t c = 0; c < d; c += 8) {
+                for (int i = 0; i < nr; i++) {
+                    int64_t h = g * rep + r0 + i;
+                    p[i] = a->s + h * a->n + s0;
+                    out[i] = a->part + (h * a->chunks + chunk) * d + c;
+                }
+                const float *vc = vf + (c / 8) * ATT_SUB * 8;
+                switch (nr) {  /* a constant count each: the accumulators stay in registers */
+                case 1: att_tile(p, vc, nt, 1, out); break;
+                case 2: att_tile(p, vc, nt, 2, out); break;
+                case 3: att_tile(p, vc, nt, 3, out); break;
+                case 4: att_tile(p, vc, nt, 4, out); break;
+                case 5: att_tile(p, vc, nt, 5, out); break;
+                case 6: att_tile(p, vc, nt, 6, out); break;
+                case 7: att_tile(p, vc, nt, 7, out); break;
+                default: att_tile(p, vc, nt, 8, out);
+                }
+            }
+        }
+    }
+}
+
+static void run_attend(struct attend *a, int threads) {
+    int64_t units = a->kv_heads * a->chunks;
+    for (int64_t i = 0; i < a->heads * a->d; i++)
+        a->qf[i] = a->f16 ? _cvtsh_ss(a->q[i]) : ({ uint32_t u = (uint32_t)a->q[i] << 16; float f; memcpy(&f, &u, 4); f; });
+#pragma omp parallel num_threads(threads) if (threads > 1 && a->n * a->heads >= 4096)
+    {
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            int64_t g = u / a->chunks, c = u % a->chunks, t1 = (c + 1) * ATT_CHUNK;
+            att_scores(a, g, c * ATT_CHUNK, t1 < a->n ? t1 : a->n);
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < a->heads; h++) att_softmax(a, h);
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            int64_t g = u / a->chunks, c = u % a->chunks, t1 = (c + 1) * ATT_CHUNK;
+            att_values(a, g, c, c * ATT_CHUNK, t1 < a->n ? t1 : a->n);
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < a->heads; h++)
+            for (int64_t c = 0; c < a->d; c++) {
+                float y = 0.0f;
+                for (int64_t k = 0; k < a->chunks; k++) y += a->part[(h * a->chunks + k) * a->d + c];
+                a->out[h * a->d + c] = a->f16 ? _cvtss_sh(y, _MM_FROUND_TO_NEAREST_INT) : bf16_round(y);
+            }
+    }
+}
 #pragma GCC pop_options
 
 enum { L_NONE, L_AVX2, L_AVXVNNI, L_AVX512VNNI };
@@ -303,10 +512,37 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* attend(q, k, v, out, f16, heads, kv_heads, n, d, k_head, k_tok, v_head, v_tok, scale, threads) */
+static PyObject *py_attend(PyObject *self, PyObject *args) {
+    struct attend a;
+    long long q, k, v, out, heads, kv_heads, n, d, k_head, k_tok, v_head, v_tok;
+    int threads;
+    if (!PyArg_ParseTuple(args, "LLLLiLLLLLLLLfi", &q, &k, &v, &out, &a.f16, &heads, &kv_heads, &n, &d, &k_head, &k_tok,
+                          &v_head, &v_tok, &a.scale, &threads))
+        return NULL;
+    if (best_level() < L_AVX2 || kv_heads < 1 || heads % kv_heads || n < 1 || d < 8 || d % 8 || d > ATT_MAX_D) {
+        PyErr_SetString(PyExc_ValueError, "attend: no AVX2 here, or bad shape");
+        return NULL;
+    }
+    a.q = (const uint16_t *)(uintptr_t)q; a.k = (const uint16_t *)(uintptr_t)k; a.v = (const uint16_t *)(uintptr_t)v;
+    a.out = (uint16_t *)(uintptr_t)out;
+    a.heads = heads; a.kv_heads = kv_heads; a.n = n; a.d = d; a.k_head = k_head; a.k_tok = k_tok; a.v_head = v_head;
+    a.v_tok = v_tok; a.chunks = (n + ATT_CHUNK - 1) / ATT_CHUNK;
+    float *scratch = malloc(sizeof(float) * (size_t)(heads * d + heads * n + heads * a.chunks * d));
+    if (!scratch) return PyErr_NoMemory();
+    a.qf = scratch; a.s = scratch + heads * d; a.part = a.s + heads * n;
+    Py_BEGIN_ALLOW_THREADS
+    run_attend(&a, threads);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"level", py_level, METH_NOARGS, "The best kernel level this CPU runs: 0 none, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI."},
     {"gemv", py_gemv, METH_VARARGS, "Few-row product with 8-bit activations over GGUF blocks."},
     {"dequantize", py_dequantize, METH_VARARGS, "GGUF blocks -> float32 or bfloat16 rows."},
+    {"attend", py_attend, METH_VARARGS, "One query row's attention in bfloat16 or float16."},
     {NULL, NULL, 0, NULL},
 };
 

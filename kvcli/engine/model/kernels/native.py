@@ -78,3 +78,29 @@ def dequantize(kind: str, blocks: torch.Tensor, cols: int, dtype: torch.dtype = 
     _native.dequantize(KINDS[kind], blocks.data_ptr(), blocks.shape[1], rows, cols, out.data_ptr(),
                        int(dtype == torch.bfloat16), torch.get_num_threads(), level() if at is None else at)
     return out
+
+
+def attends(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether attend runs these: one batch row and one query row in bfloat16 or float16 on the CPU, grouped
+    heads, a head size of 8 to 256 in steps of 8, each key and value row contiguous."""
+    return (level() > 0 and query.dim() == key.dim() == value.dim() == 4 and query.shape[0] == key.shape[0] == value.shape[0] == 1
+            and query.shape[2] == 1 and query.dtype == key.dtype == value.dtype and query.dtype in (torch.bfloat16, torch.float16)
+            and query.device.type == key.device.type == value.device.type == "cpu"
+            and key.shape == value.shape and key.shape[1] >= 1 and query.shape[1] % key.shape[1] == 0
+            and query.shape[3] == key.shape[3] and 8 <= key.shape[3] <= 256 and key.shape[3] % 8 == 0 and key.shape[2] >= 1
+            and key.stride(3) == 1 and value.stride(3) == 1)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row's attention over every key, as transformers' eager attention rounds it (scores and
+    probabilities in the dtype, softmax and sums in float32): query [1, heads, 1, d], key/value [1, kv_heads, n, d]
+    (views into a longer buffer allowed) -> [1, 1, heads, d]."""
+    if not attends(query, key, value):
+        raise ValueError(f"attend: query {query.dtype} {tuple(query.shape)}, keys {tuple(key.shape)} are not one row it runs")
+    q = query.contiguous()
+    heads, kv_heads, n, d = q.shape[1], key.shape[1], key.shape[2], key.shape[3]
+    out = torch.empty(1, 1, heads, d, dtype=q.dtype)
+    _native.attend(q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), int(q.dtype == torch.float16), heads,
+                   kv_heads, n, d, key.stride(1), key.stride(2), value.stride(1), value.stride(2), float(scale),
+                   torch.get_num_threads())
+    return out
