@@ -15,6 +15,7 @@ the documents, each with the phrase that holds its answer and a pattern a right 
 
 Not part of the test run. Usage: python tests/bench/bench_sections.py [--window 1024] [--recompute 0.15] [--new 32]
 [--repeats N] [--prefill-only] [--json OUT] [--model PATH_OR_ID] [--threads N] [--ttft-repeats N]
+[--compression small|fast] (both caches stored with that setting of `prefill --compression`; default: prefill's own)
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model as `--model` takes it (default: kvcli's default model)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument("--ttft-repeats", type=int, default=3, help="first-token timings of each kind per question (the median)")
+    ap.add_argument("--compression", choices=["small", "fast"], default=None, help="both caches' storage setting")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,14 +147,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-sections-warm-") as tmp:  # the first forward passes pay one-time costs
         pf.prefill(lm, decode((LICENSES / "MPL-2.0").read_text(encoding="utf-8")[:4000].encode(), "warm.txt"), Path(tmp) / "w.kv")
     rows, docs = [], {}
+    stored = {} if args.compression is None else {"compression": args.compression}
     with tempfile.TemporaryDirectory(prefix="bench-sections-") as tmp:
         for name in dict.fromkeys(d for d, *_ in QUESTIONS):
             text = (LICENSES / name).read_text(encoding="utf-8")
             doc = decode(text.encode(), name)
             runs = {"sectioned": [], "plain": []}
             for _ in range(args.repeats):  # the two in turn, each replacing its cache: the least time of each
-                runs["plain"].append(pf.prefill(lm, doc, Path(tmp) / f"{name}-plain.kv", force=True))
-                runs["sectioned"].append(build.prefill(lm, doc, Path(tmp) / f"{name}.kv", window=args.window, force=True))
+                runs["plain"].append(pf.prefill(lm, doc, Path(tmp) / f"{name}-plain.kv", force=True, **stored))
+                runs["sectioned"].append(build.prefill(lm, doc, Path(tmp) / f"{name}.kv", window=args.window, force=True,
+                                                       **stored))
             sec, plain = (min(runs[k], key=lambda r: r.compute_s) for k in ("sectioned", "plain"))
             m = store.read_manifest(sec.path)
             docs[name] = {"tokens": m.document_tokens, "window": args.window, "sections": len(m.sections.parts),
