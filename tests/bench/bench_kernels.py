@@ -8,10 +8,10 @@ many-row products (prefill) as bfloat16 GEMMs on weights dequantized by the nati
 layer's keys and values apart (as a step reads them): the native kernel against the torch products it stands in for.
 
 Usage: flock /tmp/kvcli-heavy.lock python tests/bench/bench_kernels.py [--model 0.5b,7b] [--threads 2] [--prefill 512]
-[--no-torch-path] [--cold-mb 600] [--json] [--rows 8,16,32,64 [--level 1|2|3]] [--attention 2048]. Weights are cycled through copies, so each product reads
-its weight from memory as a decoding step does (the L3 cache here is large). Random blocks (finite scales): speed
-does not depend on the values. GB/s counts the
-bytes each kernel reads for its weight (the file's blocks; int8/int4 codes and scales for torch's kernels).
+[--no-torch-path] [--cold-mb 600] [--json] [--rows 8,16,32,64 [--level 1|2|3]] [--attention 2048]. Weights are
+cycled through copies, so each product reads its weight from memory as a decoding step does (the L3 cache here is
+large). Random blocks (finite scales): speed does not depend on the values. GB/s counts the bytes each kernel reads
+for its weight (the file's blocks; int8/int4 codes and scales for torch's kernels).
 """
 
 from __future__ import annotations
