@@ -155,3 +155,22 @@ def test_native_one_row_attention_runs_only_what_it_was_written_for(monkeypatch)
     assert not attention._one_row_eager(q32, None, 0.0, {})  # float32 one-row steps keep the model's own attention
     out, _ = attention._one_row_attention(q32, k32, v32, 0.125)
     assert calls == [] and out.dtype == torch.float32
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_native_one_row_attention_spreads_a_bad_key_as_torch_does(bad):
+    """A NaN key makes the rows of every query head that reads it NaN, and an infinite one those whose score it makes
+    +inf, as torch's softmax does: never a plausible output from a broken state; heads reading other keys unharmed."""
+    from kvcli.engine.model.kernels import torch_only
+
+    q, k, v = _one_row(torch.bfloat16, 8, 2, 300, 64)
+    k = k.clone()
+    k[0, 1, 123, 5] = bad
+    with torch_only():
+        want, _ = attention._one_row_attention(q, k, v, 0.125)
+    got, _ = attention._one_row_attention(q, k, v, 0.125)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert bool(torch.isnan(got[0, 0, 4:]).any()) and not bool(torch.isnan(got[0, 0, :4]).any())
+    if bad != bad:
+        assert bool(torch.isnan(got[0, 0, 4:]).all())

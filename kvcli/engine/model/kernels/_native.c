@@ -173,10 +173,11 @@ static inline __m256 att_sum8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-/* e^x for x <= 0 (Cephes' polynomial on x - n ln2, n = round(x / ln2)); below -87: 0 */
+/* e^x for x <= 0 (Cephes' polynomial on x - n ln2, n = round(x / ln2)); below -87: 0; NaN stays NaN (a score of
+   NaN or infinity then makes its row NaN, as torch's softmax does) */
 static inline __m256 att_exp(__m256 x) {
     __m256 lo = _mm256_set1_ps(-87.0f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     x = _mm256_max_ps(x, lo);
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -189,7 +190,7 @@ static inline __m256 att_exp(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+    return _mm256_or_ps(nan, _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e))));
 }
 
 /* scores of one key/value head's query heads against keys [t0, t1): s = round(round(q . k) * scale) */
