@@ -129,8 +129,9 @@ static inline __m256i high_bits_avx2(uint32_t x) {
    number of threads. ---- */
 #define ATT_CHUNK 256
 #define ATT_MAX_D 256
+#ifndef ATT_SUB
 #define ATT_SUB 64  /* keys whose values are turned to float32 at a time (d x 256 bytes: within the L1 cache) */
-#define ATT_OWN (ATT_MAX_D * ATT_SUB)
+#endif
 
 struct attend {
     const uint16_t *q, *k, *v;  /* q [heads, d]; k, v [kv_heads, n, d] with the strides below (elements) */
@@ -139,7 +140,6 @@ struct attend {
     float scale;
     int f16;
     float *qf, *s, *part;       /* scratch: q as float32 [heads, d]; scores then probabilities [heads, n]; [heads, chunks, d] */
-    float *own;                 /* each thread's: ATT_OWN floats (keys, then values, as float32), not on a thread's stack */
 };
 
 #pragma GCC push_options
@@ -194,8 +194,9 @@ static inline __m256 att_exp(__m256 x) {
 }
 
 /* scores of one key/value head's query heads against keys [t0, t1): s = round(round(q . k) * scale) */
-static void att_scores(const struct attend *a, float *kf, int64_t g, int64_t t0, int64_t t1) {
-    int64_t d = a->d, rep = a->heads / a->kv_heads;  /* kf: [8, d] */
+static void att_scores(const struct attend *a, int64_t g, int64_t t0, int64_t t1) {
+    int64_t d = a->d, rep = a->heads / a->kv_heads;
+    float kf[8 * ATT_MAX_D];  /* 8 keys as float32 (on the stack: measured faster than a slice of the call's allocation) */
     for (int64_t t = t0; t < t1; t += 8) {
         int64_t nt = t1 - t < 8 ? t1 - t : 8;
         for (int64_t j = 0; j < nt; j++)
@@ -266,8 +267,9 @@ static inline __attribute__((always_inline)) void att_tile(const float *const *p
 }
 
 /* one key/value head's query heads: probabilities times values over keys [t0, t1) -> part [heads, chunks, d] */
-static void att_values(const struct attend *a, float *vf, int64_t g, int64_t chunk, int64_t t0, int64_t t1) {
-    int64_t d = a->d, rep = a->heads / a->kv_heads;  /* vf: [d / 8][ATT_SUB][8] */
+static void att_values(const struct attend *a, int64_t g, int64_t chunk, int64_t t0, int64_t t1) {
+    int64_t d = a->d, rep = a->heads / a->kv_heads;
+    float vf[ATT_MAX_D * ATT_SUB];  /* [d / 8][ATT_SUB][8]: ATT_SUB keys' values as float32 */
     for (int64_t r = 0; r < rep; r++) memset(a->part + ((g * rep + r) * a->chunks + chunk) * d, 0, sizeof(float) * (size_t)d);
     for (int64_t s0 = t0; s0 < t1; s0 += ATT_SUB) {
         int64_t nt = t1 - s0 < ATT_SUB ? t1 - s0 : ATT_SUB;
@@ -309,14 +311,14 @@ static void run_attend(struct attend *a, int threads) {
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
             int64_t g = u / a->chunks, c = u % a->chunks, t1 = (c + 1) * ATT_CHUNK;
-            att_scores(a, a->own + omp_get_thread_num() * ATT_OWN, g, c * ATT_CHUNK, t1 < a->n ? t1 : a->n);
+            att_scores(a, g, c * ATT_CHUNK, t1 < a->n ? t1 : a->n);
         }
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < a->heads; h++) att_softmax(a, h);
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < units; u++) {
             int64_t g = u / a->chunks, c = u % a->chunks, t1 = (c + 1) * ATT_CHUNK;
-            att_values(a, a->own + omp_get_thread_num() * ATT_OWN, g, c, c * ATT_CHUNK, t1 < a->n ? t1 : a->n);
+            att_values(a, g, c, c * ATT_CHUNK, t1 < a->n ? t1 : a->n);
         }
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < a->heads; h++)
@@ -528,10 +530,9 @@ static PyObject *py_attend(PyObject *self, PyObject *args) {
     a.out = (uint16_t *)(uintptr_t)out;
     a.heads = heads; a.kv_heads = kv_heads; a.n = n; a.d = d; a.k_head = k_head; a.k_tok = k_tok; a.v_head = v_head;
     a.v_tok = v_tok; a.chunks = (n + ATT_CHUNK - 1) / ATT_CHUNK;
-    if (threads < 1) threads = 1;
-    float *scratch = malloc(sizeof(float) * (size_t)(heads * d + heads * n + heads * a.chunks * d + (int64_t)threads * ATT_OWN));
+    float *scratch = malloc(sizeof(float) * (size_t)(heads * d + heads * n + heads * a.chunks * d));
     if (!scratch) return PyErr_NoMemory();
-    a.qf = scratch; a.s = scratch + heads * d; a.part = a.s + heads * n; a.own = a.part + heads * a.chunks * d;
+    a.qf = scratch; a.s = scratch + heads * d; a.part = a.s + heads * n;
     Py_BEGIN_ALLOW_THREADS
     run_attend(&a, threads);
     Py_END_ALLOW_THREADS
