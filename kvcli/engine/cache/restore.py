@@ -86,13 +86,12 @@ def load_cache(cache: OpenedCache, device: Any = "cpu", dtype: Any = None, threa
     workers = threads or default_threads(len(m.layers))
     stats = RestoreStats(layers=len(m.layers), threads=min(workers, len(m.layers)), device=str(device),
                          bytes_stored=sum(c.manifest.bytes_stored for c in links), _link=link)
-    if link is not None and tiers.HOST.limit:  # pushed out of device memory earlier: copied up from host memory
-        held = tiers.HOST.get(tiers.host_key(m, target, extra))
-        if held is not None:
-            kv = tiers.from_host(held, link, extra)
-            stats.bytes_stored, stats.bytes_raw, stats.wall_s = 0, held.nbytes(), time.perf_counter() - t0
-            kv.restore_stats = stats
-            return kv
+    held = tiers.HOST.get(tiers.host_key(m, target, extra)) if link is not None and tiers.HOST.limit else None
+    if held is not None:  # pushed out of device memory earlier: copied up from host memory
+        kv = tiers.from_host(held, link, extra)
+        stats.bytes_stored, stats.bytes_raw, stats.wall_s = 0, held.nbytes(), time.perf_counter() - t0
+        kv.restore_stats = stats
+        return kv
 
     def allocate(i: int):
         entry = m.layers[i]

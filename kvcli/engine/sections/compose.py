@@ -95,6 +95,25 @@ def _move_section(lm: Any, opened: Any, part: Any, r: int, start: int, cache: An
         layer.advance(n - r)
 
 
+def _recompute(lm: Any, cache: Any, ids: list[int], pos: list[int], slots: list[int]) -> None:
+    """Run `ids` (at prompt positions `pos`) through the model into `cache` a chunk at a time, each token seeing the
+    cache slots before it in the prompt (`slots`: each slot's prompt position, extended with `pos` as they go)."""
+    import torch
+
+    from ..prefilling import DEFAULT_CHUNK
+    from ..scheduling.scheduler import engine_for
+
+    engine = engine_for(lm)
+    for at in range(0, len(ids), DEFAULT_CHUNK):
+        q_pos = torch.tensor(pos[at : at + DEFAULT_CHUNK], device=lm.device)  # [q]
+        k_pos = torch.cat([torch.tensor(slots, device=lm.device), q_pos])  # [slots + q]
+        mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q, slots + q]: each token sees what precedes it
+        with engine.turn():
+            lm.model(input_ids=torch.tensor([ids[at : at + DEFAULT_CHUNK]], device=lm.device), position_ids=q_pos[None],
+                     attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+        slots += pos[at : at + DEFAULT_CHUNK]
+
+
 def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: int | None = None,
             head_copy: Any = None, defer: bool = False) -> Composed:
     """The composed cache of the chosen sections of the sectioned cache `opened` (format.store.OpenedCache, checked
@@ -106,7 +125,6 @@ def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: 
     from ..cache.kvcache import Pending
     from ..cache.restore import ROOM_TOKENS, load_cache
     from ..prefilling import DEFAULT_CHUNK
-    from ..scheduling.scheduler import engine_for
 
     recompute = bl.check_fraction(recompute)
     bl.check_supported(lm)
@@ -138,16 +156,8 @@ def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: 
                 _move_section(lm, opened, p, r, start, cache)
                 slots += range(start + r, start + n)
                 moved += n - r
-        engine = engine_for(lm)
         last = (len(run_ids) - 1) // DEFAULT_CHUNK * DEFAULT_CHUNK if defer else len(run_ids)  # where the pending tokens start
-        for at in range(0, max(0, last), DEFAULT_CHUNK):
-            q_pos = torch.tensor(run_pos[at : at + DEFAULT_CHUNK], device=lm.device)  # [q]
-            k_pos = torch.cat([torch.tensor(slots, device=lm.device), q_pos])  # [slots + q]
-            mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q, slots + q]: each token sees what precedes it
-            with engine.turn():
-                lm.model(input_ids=torch.tensor([run_ids[at : at + DEFAULT_CHUNK]], device=lm.device),
-                         position_ids=q_pos[None], attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
-            slots += run_pos[at : at + DEFAULT_CHUNK]
+        _recompute(lm, cache, run_ids[: max(0, last)], run_pos[: max(0, last)], slots)
     for layer in cache.layers:
         layer.mark = layer.offset  # the composed prompt is the document now: questions rewind to its end
     cache.rewind()
