@@ -98,20 +98,16 @@ def _move_section(lm: Any, opened: Any, part: Any, r: int, start: int, cache: An
 def _recompute(lm: Any, cache: Any, ids: list[int], pos: list[int], slots: list[int]) -> None:
     """Run `ids` (at prompt positions `pos`) through the model into `cache` a chunk at a time, each token seeing the
     cache slots before it in the prompt (`slots`: each slot's prompt position, extended with `pos` as they go)."""
-    import torch
-
+    from ..cache.kvcache import Pending
     from ..prefilling import DEFAULT_CHUNK
     from ..scheduling.scheduler import engine_for
 
     engine = engine_for(lm)
     for at in range(0, len(ids), DEFAULT_CHUNK):
-        q_pos = torch.tensor(pos[at : at + DEFAULT_CHUNK], device=lm.device)  # [q]
-        k_pos = torch.cat([torch.tensor(slots, device=lm.device), q_pos])  # [slots + q]
-        mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q, slots + q]: each token sees what precedes it
+        chunk = Pending(ids[at : at + DEFAULT_CHUNK], pos[at : at + DEFAULT_CHUNK], list(slots))  # its inputs and mask
         with engine.turn():
-            lm.model(input_ids=torch.tensor([ids[at : at + DEFAULT_CHUNK]], device=lm.device), position_ids=q_pos[None],
-                     attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
-        slots += pos[at : at + DEFAULT_CHUNK]
+            lm.model(**chunk.inputs([], lm.device), cache=cache, use_cache=True, logits_to_keep=1)
+        slots += chunk.positions
 
 
 def compose(lm: Any, opened: Any, chosen: list[int], recompute: float, *, room: int | None = None,

@@ -151,19 +151,16 @@ static inline float att_round(float f, int f16) {
     return f;
 }
 
-/* eight float32 values rounded to the dtype (nearest even, NaN kept quiet), as float32 */
-static inline __m256 att_round8(__m256 x, int f16) {
-    if (f16) return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-    __m256i u = _mm256_castps_si256(x), high = _mm256_set1_epi32((int)0xffff0000u);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), high);
-    __m256i nan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), high);
-    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(nan), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+/* eight bfloat16 or float16 values -> float32 */
+static inline __m256 att_widen8(__m128i h, int f16) {
+    return f16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-static inline __m256 att_load8(const uint16_t *p, int f16) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return f16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+static inline __m256 att_load8(const uint16_t *p, int f16) { return att_widen8(_mm_loadu_si128((const __m128i *)p), f16); }
+
+/* eight float32 values rounded to the dtype (nearest even, NaN kept quiet: bf16_8's bits), as float32 */
+static inline __m256 att_round8(__m256 x, int f16) {
+    return att_widen8(f16 ? _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT) : bf16_8_avx2(x), f16);
 }
 
 /* [a0..a7] -> the eight lanes' sums, in one vector (a fixed order of additions) */
@@ -304,8 +301,7 @@ static void att_values(const struct attend *a, int64_t g, int64_t chunk, int64_t
 
 static void run_attend(struct attend *a, int threads) {
     int64_t units = a->kv_heads * a->chunks;
-    for (int64_t i = 0; i < a->heads * a->d; i++)
-        a->qf[i] = a->f16 ? _cvtsh_ss(a->q[i]) : ({ uint32_t u = (uint32_t)a->q[i] << 16; float f; memcpy(&f, &u, 4); f; });
+    for (int64_t i = 0; i < a->heads * a->d; i += 8) _mm256_storeu_ps(a->qf + i, att_load8(a->q + i, a->f16));
 #pragma omp parallel num_threads(threads) if (threads > 1 && a->n * a->heads >= 4096)
     {
 #pragma omp for schedule(static)
