@@ -2,7 +2,7 @@
 
 Three licence texts as Debian installs them (/usr/share/common-licenses: GPL-3, LGPL-2.1, MPL-2.0; public texts),
 each prefilled with the default model at `--window` (1,024 by default) as a sectioned cache and, for comparison, as
-one plain cache of the same tokens (the model's own 8,192 positions hold each). Per question (22, spread through
+one plain cache of the same tokens (the model's own 8,192 positions hold each). Per question (68, spread through
 the documents, each with the phrase that holds its answer and a pattern a right answer matches):
 
 - recall: whether the section holding the phrase is among those the question's selection used;
@@ -81,6 +81,117 @@ QUESTIONS = [
     ("MPL-2.0", "Who is the license steward of the Mozilla Public License?", "Mozilla Foundation is the license steward",
      r"Mozilla Foundation"),
     ("MPL-2.0", "What is Exhibit A of the License?", "Exhibit A - Source Code Form License Notice", r"License Notice|notice"),
+    # more questions, spread through each document by position (each tenth of each document holds two or three)
+    ("GPL-3", "On what date was version 3 of the GNU General Public License published?",
+     "GNU GENERAL PUBLIC LICENSE Version 3, 29 June 2007", r"29 June,? 2007|June 29,? 2007|2007-06-29"),
+    ("GPL-3", "With how many steps do developers that use the GNU GPL protect your rights?",
+     "Developers that use the GNU GPL protect your rights with two steps", r"\btwo\b|\b2\b"),
+    ("GPL-3", "What examples does the License give of a \"Major Component\" of an operating system?",
+     "a major essential component (kernel, window system, and so on)", r"kernel|window system"),
+    ("GPL-3", "Which section makes sublicensing unnecessary?",
+     "Sublicensing is not allowed; section 10 makes it unnecessary", r"\b10\b|\bten\b"),
+    ("GPL-3", "On what date was the WIPO copyright treaty mentioned in the License adopted?",
+     "article 11 of the WIPO copyright treaty adopted on 20 December 1996",
+     r"20 December,? 1996|December 20,? 1996|1996-12-20"),
+    ("GPL-3", "Besides stating that you modified it, what must the prominent notices on a modified work give?",
+     "stating that you modified it, and giving a relevant date", r"\bdate\b"),
+    ("GPL-3", "What is a compilation of a covered work with separate and independent works on a storage or "
+     "distribution medium called?", "is called an \"aggregate\" if the compilation and its resulting copyright",
+     r"aggregate"),
+    ("GPL-3", "In the License's example of a User Product on which nobody can install modified object code, where has "
+     "the work been installed?", "(for example, the work has been installed in ROM)", r"\bROM\b|read[- ]only memory"),
+    ("GPL-3", "What are all other non-permissive additional terms considered to be?",
+     "All other non-permissive additional terms are considered \"further restrictions\"", r"further restrictions?"),
+    ("GPL-3", "What kind of patent license does each contributor grant you under its essential patent claims?",
+     "Each contributor grants you a non-exclusive, worldwide, royalty-free patent license",
+     r"non-?exclusive|world-?wide|royalty-?free"),
+    ("GPL-3", "The ban on conveying under a discriminatory patent license arrangement does not apply if the "
+     "arrangement was entered into before what date?", "or that patent license was granted, prior to 28 March 2007",
+     r"28 March,? 2007|March 28,? 2007|2007-03-28"),
+    ("GPL-3", "In the sample interactive-mode notice, what should the user type for details of the warranty?",
+     "This program comes with ABSOLUTELY NO WARRANTY; for details type `show w'", r"show w\b"),
+    ("GPL-3", "If your program is a subroutine library and you want to permit linking proprietary applications with "
+     "it, which license should you use?", "use the GNU Lesser General Public License instead of this License",
+     r"Lesser|LGPL"),
+    ("LGPL-2.1", "In which month and year was version 2.1 of the GNU Lesser General Public License issued?",
+     "GNU LESSER GENERAL PUBLIC LICENSE Version 2.1, February 1999", r"February,? 1999|Feb\.? 1999|1999-02"),
+    ("LGPL-2.1", "According to the preamble, what poses a constant threat to the existence of any free program?",
+     "software patents pose a constant threat to the existence of any free program", r"patent"),
+    ("LGPL-2.1", "Permission to use which library in non-free programs lets many more people use the whole GNU "
+     "operating system?", "permission to use the GNU C Library in non-free programs", r"\bC Library|glibc|\blibc\b"),
+    ("LGPL-2.1", "What does \"library\" mean in this License?",
+     "A \"library\" means a collection of software functions and/or data",
+     r"collection of (software )?functions|functions and/or data|software functions"),
+    ("LGPL-2.1", "For a library, what does complete source code include besides the source code for all its modules?",
+     "plus any associated interface definition files, plus the scripts used to control compilation",
+     r"interface definition|scripts?"),
+    ("LGPL-2.1", "For what physical act may you charge a fee?",
+     "You may charge a fee for the physical act of transferring a copy", r"transfer"),
+    ("LGPL-2.1", "What does the library function in the example of Subsection 2d compute?",
+     "a function in a library to compute square roots has a purpose", r"square roots?"),
+    ("LGPL-2.1", "Once a copy's notices are changed to refer to the ordinary GNU General Public License, what is that "
+     "change for that copy?", "Once this change is made in a given copy, it is irreversible for that copy",
+     r"irreversible|cannot be (undone|reversed)|permanent"),
+    ("LGPL-2.1", "What kind of mechanism for linking with the Library does option b) of Section 6 allow using?",
+     "b) Use a suitable shared library mechanism for linking with the Library", r"shared librar"),
+    ("LGPL-2.1", "What examples does Section 6 give of the major components of an operating system?",
+     "with the major components (compiler, kernel, and so on) of the operating system", r"compiler|kernel"),
+    ("LGPL-2.1", "Why are you not required to accept this License?",
+     "You are not required to accept this License, since you have not signed it", r"\bsign(ed)?\b|\bsigning\b"),
+    ("LGPL-2.1", "According to Section 11, what is the sole purpose of that section?",
+     "sole purpose of protecting the integrity of the free software distribution system", r"integrity"),
+    ("LGPL-2.1", "If distribution of the Library is restricted in certain countries by patents or copyrighted "
+     "interfaces, what may the original copyright holder add?",
+     "may add an explicit geographical distribution limitation excluding those countries", r"geographic"),
+    ("LGPL-2.1", "According to Section 15, why is there no warranty for the Library?",
+     "BECAUSE THE LIBRARY IS LICENSED FREE OF CHARGE, THERE IS NO WARRANTY",
+     r"free of charge|(no|without) charge|gratis|costs? nothing|for free|at no cost"),
+    ("LGPL-2.1", "In the sample notice to attach to a new library, which version of the License is named, with any "
+     "later version as an option?", "either version 2.1 of the License, or (at your option) any later version",
+     r"2\.1"),
+    ("LGPL-2.1", "Which company disclaims all copyright interest in the library in the sample copyright disclaimer?",
+     "Yoyodyne, Inc., hereby disclaims all copyright interest in the library", r"Yoyodyne"),
+    ("MPL-2.0", "Which kinds of claims does the definition of \"Patent Claims\" list as included, without limitation?",
+     "including without limitation, method, process, and apparatus claims", r"method|process|apparatus"),
+    ("MPL-2.0", "More than what percentage of an entity's outstanding shares must be owned for the ownership to count "
+     "as control?", "ownership of more than fifty percent (50%) of the outstanding shares", r"\b50\b|fifty"),
+    ("MPL-2.0", "On what date do the licenses granted in Section 2.1 become effective for each Contribution?",
+     "on the date the Contributor first distributes such Contribution", r"first distribut"),
+    ("MPL-2.0", "Besides trademarks and service marks, in what else of any Contributor does this License grant no "
+     "rights?", "This License does not grant any rights in the trademarks, service marks, or logos", r"\blogos?\b"),
+    ("MPL-2.0", "Besides fair use, which copyright doctrine does the License say it is not intended to limit?",
+     "applicable copyright doctrines of fair use, fair dealing, or other equivalents", r"fair dealing"),
+    ("MPL-2.0", "If You distribute Covered Software in Executable Form, at most what may you charge recipients for "
+     "obtaining the Source Code Form?", "at a charge no more than the cost of distribution to the recipient",
+     r"cost of distribution|distribution costs?|cost of distributing"),
+    ("MPL-2.0", "Under what terms may You create and distribute a Larger Work?",
+     "You may create and distribute a Larger Work under terms of Your choice", r"(your|own|their) choice|choos"),
+    ("MPL-2.0", "To what extent may You alter license notices contained within the Source Code Form?",
+     "to the extent required to remedy known factual inaccuracies", r"inaccura"),
+    ("MPL-2.0", "If You cannot comply with the License due to statute or regulation, where must the description of "
+     "the limitations be placed?", "Such description must be placed in a text file included with all distributions",
+     r"text file"),
+    ("MPL-2.0", "If You have come back into compliance and the Contributor never notifies You of the non-compliance, "
+     "after how many days are Your rights reinstated on an ongoing basis?",
+     "prior to 60 days after You have come back into compliance", r"\b60\b|sixty"),
+    ("MPL-2.0", "Which agreements granted by You or Your distributors before termination shall survive termination?",
+     "all end user license agreements (excluding distributors and resellers)", r"end[- ]user"),
+    ("MPL-2.0", "On what basis is Covered Software provided under this License?",
+     "Covered Software is provided under this License on an \"as is\"", r"\bas[ -]is\b"),
+    ("MPL-2.0", "Which kinds of damages does the Limitation of Liability list as examples?",
+     "including, without limitation, damages for lost profits, loss of",
+     r"lost profits|goodwill|work stoppage|computer failure"),
+    ("MPL-2.0", "To liability for what does the limitation of liability not apply, where applicable law prohibits "
+     "such limitation?", "limitation of liability shall not apply to liability for death or", r"death|personal injury"),
+    ("MPL-2.0", "If a provision of this License is held unenforceable, to what extent shall it be reformed?",
+     "such provision shall be reformed only to the extent necessary to make it enforceable",
+     r"necessary to make it enforceable|extent necessary|make it enforceable"),
+    ("MPL-2.0", "What must you do with the license's name if you create a modified version of this License for "
+     "software not governed by it?",
+     "you may create and use a modified version of this License if you rename the license",
+     r"rename|new name|change (its|the) name"),
+    ("MPL-2.0", "At which web address can a copy of the MPL be obtained, according to the Exhibit A notice?",
+     "You can obtain one at http://mozilla.org/MPL/2.0/", r"mozilla\.org/MPL"),
 ]
 
 
