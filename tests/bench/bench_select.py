@@ -1,7 +1,7 @@
 """Choosing a sectioned cache's sections: BM25 over their text against the model's own keys (InfLLM-style).
 
-The questions and documents of bench_sections.py (three licence texts, 22 questions, each with the phrase that
-holds its answer), prefilled with the default model at `--window` (1,024) as sectioned caches. Per question, the
+The questions and documents of bench_sections.py (three licence texts, 68 questions, or the first --first of them,
+each with the phrase that holds its answer), prefilled with the default model at `--window` (1,024) as sectioned caches. Per question, the
 sections are ranked three ways, with no second model and nothing trained:
 
 - bm25: select.scores over the sections' text, as `ask` ranks them;
@@ -25,7 +25,7 @@ tokens, the sections composed at --recompute as `ask` does) for bm25, the declar
 time: bm25's select.scores against the question's forward pass and the key scores (representatives in memory).
 
 Not part of the test run. Usage: python tests/bench/bench_select.py [--window 1024] [--reps 4] [--distance 0]
-[--new 32] [--no-answers] [--keep DIR] [--json OUT]
+[--new 32] [--no-answers] [--keep DIR] [--json OUT] [--first N]
 """
 
 from __future__ import annotations
@@ -234,6 +234,7 @@ def main() -> None:
     ap.add_argument("--no-answers", action="store_true", help="measure selection only")
     ap.add_argument("--keep", type=Path, default=None, help="keep the sectioned caches here (reused when present)")
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    ap.add_argument("--first", type=int, default=None, help="only the first N questions (22: the set docs/performance.md measured)")
     args = ap.parse_args()
     lm = kvcli.load()
     torch.manual_seed(0)
@@ -273,7 +274,7 @@ def main() -> None:
     methods += [f"keys:infllm:L{i}:dot" for i in range(n_layers)]
     declared = f"keys:{DECLARED[0]}:{DECLARED[1]}:dot"
     rows = []
-    for name, question, phrase, pattern in QUESTIONS:
+    for name, question, phrase, pattern in QUESTIONS[: args.first]:
         d = docs[name]
         m = d["manifest"]
         parts = m.sections.parts
