@@ -1,8 +1,8 @@
 """Choosing a sectioned cache's sections: BM25 over their text against the model's own keys (InfLLM-style).
 
 The questions and documents of bench_sections.py (three licence texts, 68 questions, or the first --first of them,
-each with the phrase that holds its answer), prefilled with the default model at `--window` (1,024) as sectioned caches. Per question, the
-sections are ranked three ways, with no second model and nothing trained:
+each with the phrase that holds its answer), prefilled with the default model at `--window` (1,024) as sectioned
+caches. Per question, the sections are ranked three ways, with no second model and nothing trained:
 
 - bm25: select.scores over the sections' text, as `ask` ranks them;
 - keys: each section represented by a few of its own keys per layer and key/value head, read from its stored shards
